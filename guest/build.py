@@ -1,0 +1,168 @@
+"""Build the wasibox guest: a pre-initialized CPython component made by componentize-py.
+
+Usage: ``python guest/build.py OUTPUT.wasm`` (the host's ``wasibox prepare`` calls ``build``).
+
+The recipe, step by step:
+
+1. Lay out a private build tree: the runner, the WIT world plus every capability contract
+   (one WIT package), and the pure-Python packages the guest bundles (msgpack's fallback
+   codec, tzdata). Every file gets the same fixed mtime, because the snapshot records the
+   mtimes the importer saw.
+2. Compile ``pin_entropy.c`` and preload it into componentize-py, so the hash seed and every
+   other draw from entropy during pre-init are the same on every build (see that file).
+3. Run componentize-py with an empty virtual environment, so nothing from the building
+   machine's site-packages leaks into the guest.
+
+This script needs no network and never imports the host package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+# Either the source checkout (guest/ beside capabilities/) or the copy inside a wheel.
+CAPABILITIES = HERE.parent / "capabilities"
+RUNNER_MODULE = "wasibox_guest"
+FIXED_MTIME = 946684800  # 2000-01-01: any constant works; it only has to be the same
+BUNDLED = ("msgpack", "tzdata")  # pure-Python packages copied into the guest
+
+Progress = Callable[[str], None]
+
+
+class BuildError(RuntimeError):
+    """The guest could not be built; the message says what to install or fix."""
+
+
+def inputs_digest() -> str:
+    """A digest of everything that goes into a build, to key the build cache."""
+    digest = hashlib.sha256()
+    for path in sorted(_source_files()):
+        digest.update(str(path.relative_to(HERE.parent)).encode())
+        digest.update(path.read_bytes())
+    for dist in ("componentize-py", *BUNDLED):
+        digest.update(f"{dist}=={_version(dist)}".encode())
+    return digest.hexdigest()
+
+
+def build(output: Path, progress: Progress = lambda message: None) -> str:
+    """Build the guest component into ``output`` and return its sha256."""
+    output = Path(output)
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise BuildError("building the guest needs a C compiler to pin its entropy: "
+                         "install one (for example `apt-get install gcc`) or set CC")
+    with tempfile.TemporaryDirectory(prefix="wasibox-guest-") as scratch:
+        tree = Path(scratch)
+        progress("laying out the build tree")
+        app, wit = tree / "app", tree / "wit"
+        app.mkdir()
+        wit.mkdir()
+        shutil.copy2(HERE / "runner" / f"{RUNNER_MODULE}.py", app)
+        for contract in [*sorted((HERE / "wit").glob("*.wit")),
+                         *sorted(CAPABILITIES.glob("*/*.wit"))]:
+            shutil.copy2(contract, wit / contract.name)
+        for package in BUNDLED:
+            _copy_pure_package(package, app / package)
+        empty_env = tree / "empty-venv"
+        (empty_env / "lib").mkdir(parents=True)
+        for path in tree.rglob("*"):
+            os.utime(path, (FIXED_MTIME, FIXED_MTIME), follow_symlinks=False)
+
+        progress("compiling the entropy pin")
+        pin = tree / "pin_entropy.so"
+        _check(subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(pin),
+                               str(HERE / "pin_entropy.c"), "-ldl"],
+                              capture_output=True, text=True), "compiling pin_entropy.c")
+
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(tree),
+            "VIRTUAL_ENV": str(empty_env),
+            "LD_PRELOAD": str(pin),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "SOURCE_DATE_EPOCH": str(FIXED_MTIME),
+        }
+        command = [sys.executable, "-c", "import sys; from componentize_py import script; "
+                   "sys.argv[0] = 'componentize-py'; sys.exit(script())",
+                   "-q", "-d", str(wit), "-w", "sandbox", "componentize", "-p", str(app),
+                   RUNNER_MODULE, "-o", str(tree / "guest.wasm")]
+        result = _with_heartbeat(
+            lambda: subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True),
+            "snapshotting CPython with componentize-py", progress)
+        _check(result, "componentize-py")
+
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staged = output.with_name(output.name + f".{os.getpid()}.tmp")
+        shutil.copyfile(tree / "guest.wasm", staged)
+        os.replace(staged, output)
+    digest = hashlib.sha256(output.read_bytes()).hexdigest()
+    progress(f"built guest {digest[:12]} ({output.stat().st_size / 2**20:.1f} MiB)")
+    return digest
+
+
+def _source_files() -> list[Path]:
+    return [HERE / "build.py", HERE / "pin_entropy.c", HERE / "runner" / f"{RUNNER_MODULE}.py",
+            *(HERE / "wit").glob("*.wit"), *CAPABILITIES.glob("*/*.wit")]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise BuildError(f"building the guest needs the {dist!r} package: "
+                         f"pip install {dist}") from exc
+
+
+def _copy_pure_package(name: str, destination: Path) -> None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError(f"building the guest needs the {name!r} package: pip install {name}")
+    source = Path(next(iter(spec.submodule_search_locations)))
+    shutil.copytree(source, destination,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.pyx",
+                                                  "*.c", "*.h", "*.cpp", "*.pyi", "py.typed"))
+
+
+def _with_heartbeat(work: Callable[[], subprocess.CompletedProcess[str]], label: str,
+                    progress: Progress) -> subprocess.CompletedProcess[str]:
+    """Run ``work`` while reporting elapsed time every second, so no wait is silent."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(1.0):
+            progress(f"{label} ({time.monotonic() - started:.0f}s)")
+
+    progress(label)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        return work()
+    finally:
+        done.set()
+        thread.join()
+
+
+def _check(result: subprocess.CompletedProcess[str], step: str) -> None:
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip()[-4000:]
+        raise BuildError(f"{step} failed (exit {result.returncode}):\n{detail}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python guest/build.py OUTPUT.wasm")
+    print(build(Path(sys.argv[1]), lambda message: print(message, file=sys.stderr)))

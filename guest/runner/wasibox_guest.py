@@ -1,0 +1,449 @@
+"""The guest runner: the Python code that runs inside the sandbox.
+
+componentize-py imports this module once, at build time, and snapshots the interpreter right
+after. Everything at module level therefore runs *once per build*, never per run: it imports a
+curated set of stdlib modules and packs the rest of the stdlib into memory as marshalled code
+objects, because the stdlib directory componentize-py mounts while it snapshots is gone at run
+time. Each run then starts from that snapshot in a fresh instance and calls ``execute``.
+
+This file never imports the host package: it is the other side of a trust boundary. The wire
+shapes it speaks are documented in ``wasibox/_wire.py``.
+"""
+
+import base64
+import builtins
+import gc
+import importlib.abc
+import importlib.machinery
+import io
+import linecache
+import marshal
+import os
+import sys
+import traceback
+
+import msgpack
+import wit_world
+from wit_world.imports import clock as _clock
+from wit_world.imports import entropy as _entropy
+from wit_world.imports import process as _process
+from wit_world.imports import stdio as _stdio
+
+# -- build time: the standard library -------------------------------------------------------
+
+# Imported now so they cost nothing at run time: the common data-processing modules.
+import asyncio  # noqa: F401
+import base64  # noqa: F401,F811
+import bisect  # noqa: F401
+import collections  # noqa: F401
+import csv  # noqa: F401
+import dataclasses  # noqa: F401
+import datetime  # noqa: F401
+import decimal  # noqa: F401
+import email  # noqa: F401
+import email.message  # noqa: F401
+import email.parser  # noqa: F401
+import enum  # noqa: F401
+import fractions  # noqa: F401
+import functools  # noqa: F401
+import hashlib  # noqa: F401
+import heapq  # noqa: F401
+import html  # noqa: F401
+import itertools  # noqa: F401
+import json  # noqa: F401
+import math  # noqa: F401
+import random  # noqa: F401
+import re  # noqa: F401
+import select  # noqa: F401
+import selectors  # noqa: F401
+import sqlite3  # noqa: F401
+import statistics  # noqa: F401
+import string  # noqa: F401
+import struct  # noqa: F401
+import textwrap  # noqa: F401
+import time  # noqa: F401
+import tomllib  # noqa: F401
+import typing  # noqa: F401
+import unicodedata  # noqa: F401
+import urllib.parse  # noqa: F401
+import uuid  # noqa: F401
+import xml.etree.ElementTree  # noqa: F401
+import zlib  # noqa: F401
+import zoneinfo  # noqa: F401
+
+_STDLIB_ROOT = "/python"
+# Packages that are never packed: tests, GUI, and tooling that cannot run under WASI.
+_SKIP_DIRS = frozenset({
+    "__pycache__", "site-packages", "test", "tests", "idlelib", "tkinter", "turtledemo",
+    "ensurepip", "venv", "lib2to3", "pydoc_data",
+})
+# Modules that exist in the stdlib but cannot work without an OS process model, native
+# libraries or a terminal. Importing one raises a clear ImportError instead of failing deep
+# inside the module.
+UNAVAILABLE = frozenset({
+    "ctypes", "ssl", "bz2", "lzma", "multiprocessing", "concurrent.futures.process", "curses",
+    "readline", "dbm.gnu", "dbm.ndbm", "tkinter", "turtle", "idlelib", "venv", "ensurepip",
+    "_ctypes", "_ssl", "_bz2", "_lzma", "_curses", "_tkinter", "pty", "tty", "termios",
+    "fcntl", "grp", "pwd", "resource", "mmap", "syslog",
+})
+
+
+def _pack_tree(root, prefix, skip):
+    """Compile every module under ``root`` into ``{name: (is_package, marshalled code)}``."""
+    table = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and "-" not in d and "." not in d)
+        rel = os.path.relpath(dirpath, root)
+        package = prefix if rel == "." else ".".join(filter(None, [prefix, *rel.split(os.sep)]))
+        for filename in sorted(filenames):
+            if not filename.endswith(".py"):
+                continue
+            stem = filename[:-3]
+            is_package = stem == "__init__"
+            name = package if is_package else ".".join(filter(None, [package, stem]))
+            if not name or name in table:
+                continue
+            path = os.path.join(dirpath, filename)
+            with open(path, "rb") as handle:
+                source = handle.read()
+            display = "<stdlib>/" + os.path.relpath(path, root)
+            try:
+                code = compile(source, display, "exec", dont_inherit=True)
+            except SyntaxError:
+                continue
+            table[name] = (is_package, marshal.dumps(code))
+    return table
+
+
+def _pack_resources(root, prefix):
+    """Read the data files of a package tree: ``{package: {file name: bytes}}``."""
+    resources = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        rel = os.path.relpath(dirpath, root)
+        package = prefix if rel == "." else ".".join([prefix, *rel.split(os.sep)])
+        files = {}
+        for filename in sorted(filenames):
+            if filename.endswith((".py", ".pyc")):
+                continue
+            with open(os.path.join(dirpath, filename), "rb") as handle:
+                files[filename] = handle.read()
+        resources[package] = files
+    return resources
+
+
+_MODULES = _pack_tree(_STDLIB_ROOT, "", _SKIP_DIRS)
+_RESOURCES = {}
+for _entry in sys.path:
+    # Bundled pure-Python data packages (tzdata, so zoneinfo has a time zone database).
+    _tz = os.path.join(_entry, "tzdata")
+    if _entry != _STDLIB_ROOT and os.path.isdir(_tz):
+        _MODULES.update(_pack_tree(_tz, "tzdata", frozenset({"__pycache__"})))
+        _RESOURCES.update(_pack_resources(_tz, "tzdata"))
+        break
+
+
+class _Resource:
+    """A read-only ``importlib.resources`` Traversable over packed bytes."""
+
+    def __init__(self, package, name, data):
+        self._package = package
+        self.name = name
+        self._data = data
+
+    def is_file(self):
+        return self._data is not None
+
+    def is_dir(self):
+        return self._data is None
+
+    def iterdir(self):
+        if self._data is not None:
+            return iter(())
+        return (_Resource(self._package, n, d) for n, d in _RESOURCES.get(self._package, {}).items())
+
+    def joinpath(self, *parts):
+        if len(parts) != 1 or "/" in parts[0]:
+            raise FileNotFoundError("/".join(parts))
+        data = _RESOURCES.get(self._package, {}).get(parts[0])
+        if data is None:
+            raise FileNotFoundError(parts[0])
+        return _Resource(self._package, parts[0], data)
+
+    __truediv__ = joinpath
+
+    def open(self, mode="r", *args, **kwargs):
+        if self._data is None:
+            raise IsADirectoryError(self.name)
+        if "b" in mode:
+            return io.BytesIO(self._data)
+        return io.TextIOWrapper(io.BytesIO(self._data), *args, **kwargs)
+
+    def read_bytes(self):
+        return self.open("rb").read()
+
+    def read_text(self, encoding=None):
+        return self._data.decode(encoding or "utf-8")
+
+
+class _ResourceReader:
+    def __init__(self, package):
+        self._package = package
+
+    def files(self):
+        return _Resource(self._package, self._package.rpartition(".")[2], None)
+
+
+class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports stdlib modules from the code objects packed into the snapshot."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in UNAVAILABLE or fullname.partition(".")[0] in UNAVAILABLE:
+            raise ModuleNotFoundError(
+                f"module {fullname!r} is not available in the wasibox sandbox "
+                "(it needs native libraries or OS features that WebAssembly does not have)",
+                name=fullname,
+            )
+        entry = _MODULES.get(fullname)
+        if entry is None:
+            return None
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin="<stdlib>", is_package=entry[0])
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        is_package, code = _MODULES[module.__name__]
+        if is_package:
+            module.__path__ = []
+        exec(marshal.loads(code), module.__dict__)
+
+    def get_resource_reader(self, fullname):
+        return _ResourceReader(fullname)
+
+
+# From here on, nothing is read from the file system: the stdlib mount disappears after the
+# snapshot, and run-time imports must not probe paths that no longer exist.
+sys.meta_path[:] = [
+    importlib.machinery.BuiltinImporter,
+    importlib.machinery.FrozenImporter,
+    _PackedFinder(),
+]
+sys.path[:] = []
+sys.path_hooks[:] = []
+sys.path_importer_cache.clear()
+sys.dont_write_bytecode = True
+
+# -- build time: the run-time environment ---------------------------------------------------
+
+
+class _HostStream(io.RawIOBase):
+    """Raw bytes to the host's bounded output sink, one char per byte."""
+
+    def __init__(self, fd):
+        self._fd = fd
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        size = len(data)
+        if size:
+            _stdio.write(self._fd, bytes(data).decode("latin-1"))
+        return size
+
+
+def _new_stream(fd, line_buffering):
+    buffered = io.BufferedWriter(_HostStream(fd), buffer_size=8192)
+    return io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace",
+                            line_buffering=line_buffering)
+
+
+def _sleep(seconds):
+    """time.sleep, routed through the host so the run's deadline still applies."""
+    seconds = float(seconds)
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    if seconds != seconds:
+        raise ValueError("Invalid value NaN (not a number)")
+    if seconds > 0:
+        _clock.sleep(min(int(seconds * 1e9), 2**64 - 1))
+
+
+_real_select = select.select
+
+
+def _select(rlist, wlist, xlist, timeout=None):
+    """select.select: a pure wait goes through the host; nothing else can block here."""
+    if not rlist and not wlist and not xlist:
+        if timeout is None:
+            raise OSError(22, "select() with no file descriptors and no timeout would block forever")
+        _sleep(timeout)
+        return [], [], []
+    return _real_select(rlist, wlist, xlist, 0)
+
+
+def _urandom(size):
+    """os.urandom, served by the host's entropy capability (seeded unless granted real)."""
+    size = size.__index__()
+    if size < 0:
+        raise ValueError("negative argument not allowed")
+    chunks = []
+    while size > 0:
+        step = min(size, 1 << 20)
+        chunks.append(_entropy.random_bytes(step).encode("latin-1"))
+        size -= step
+    return b"".join(chunks)
+
+
+_random_seed = random.Random.seed
+
+
+def _seed(self, a=None, version=2):
+    """random.Random.seed: seeding from entropy draws 32 bytes, not MT's 2,496."""
+    if a is None:
+        a = int.from_bytes(_urandom(32), "little")
+    _random_seed(self, a, version)
+
+
+def _exit(status):
+    """os._exit: end the run at once with this status, without cleanup (as on a real OS)."""
+    _process.exit(int(status) & 0xFF)
+
+
+time.sleep = _sleep
+select.select = _select
+if hasattr(select, "poll"):
+    # poll() would reach WASI's blocking poll, which ignores the deadline.
+    del select.poll
+selectors.DefaultSelector = selectors.SelectSelector
+# SelectSelector captured select.select when the class was made; point it at the wrapper.
+selectors.SelectSelector._select = lambda self, r, w, x, timeout=None: _select(r, w, x, timeout)
+os._exit = _exit
+os.urandom = random._urandom = _urandom
+random.Random.seed = _seed
+random.seed = random._inst.seed  # the module function is a method bound at import time
+
+
+def _no_self_pipe(loop):
+    """asyncio's self-pipe wakes a loop from other threads through a socketpair. WASI has no
+    threads and no socketpair, so the loop runs without one."""
+    loop._ssock = loop._csock = None
+
+
+asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = _no_self_pipe
+asyncio.selector_events.BaseSelectorEventLoop._close_self_pipe = _no_self_pipe
+asyncio.selector_events.BaseSelectorEventLoop._write_to_self = lambda loop: None
+
+# Everything made so far lives for the life of the snapshot. Freezing it keeps the cyclic
+# garbage collector from walking (and so page-faulting in) the whole snapshot heap during a
+# run: a run's collections see only the objects that run made.
+gc.collect()
+gc.freeze()
+
+# -- run time --------------------------------------------------------------------------------
+
+_SOURCE_NAME = "<sandbox>"
+_BUILTINS = dict(vars(builtins))
+
+
+def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
+    # Bound as defaults: clearing the namespace removes every builtin name until update runs.
+    namespace.clear()
+    namespace.update(pristine)
+_RUNNER_FILE = __file__
+
+
+def _describe(exc):
+    """The guest-visible description of an exception, without this runner's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == _RUNNER_FILE:
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except BaseException:  # a hostile __str__ or __repr__ must not take the runner down
+        text = f"{type(exc).__name__}: <exception could not be formatted>\n"
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "<exception could not be formatted>"
+    return {"type": type(exc).__name__, "message": message, "traceback": text}
+
+
+def _reply(**fields):
+    return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
+
+
+class WitWorld(wit_world.WitWorld):
+    def execute(self, request: str) -> str:
+        job = msgpack.unpackb(base64.b64decode(request), raw=False, strict_map_key=False)
+        sys.stdout = _new_stream(1, line_buffering=False)
+        sys.stderr = _new_stream(2, line_buffering=True)
+        seed = job.get("seed")
+        random.seed(seed)  # None reseeds from wasi:random, which the host decides
+        code = job["code"]
+        linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        exit_code = 0
+        error = None
+        value = None
+        memory_error = False
+        try:
+            exec(compile(code, _SOURCE_NAME, "exec", dont_inherit=True), namespace)
+            if job.get("op") == "call":
+                entry = job.get("entry")
+                function = namespace.get(entry)
+                if not callable(function):
+                    raise NameError(f"the code defines no callable named {entry!r}")
+                value = function(*job.get("args", ()), **job.get("kwargs", {}))
+        except SystemExit as exc:
+            exit_code = _exit_status(exc.code)
+        except MemoryError as exc:
+            memory_error = True
+            error = _describe(exc)
+            exit_code = 1
+        except BaseException as exc:
+            error = _describe(exc)
+            exit_code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        # The program may have replaced builtins the reply's encoder relies on.
+        _restore_builtins()
+        try:
+            return _reply(exit_code=exit_code, error=error, value=value, memory_error=memory_error,
+                          heap_top=_heap_top())
+        except (TypeError, ValueError, OverflowError) as exc:
+            if error is None and exit_code == 0:
+                problem = TypeError(f"the return value of {job.get('entry')!r} is not "
+                                    f"msgpack-compatible: {exc}")
+                error = {"type": "TypeError", "message": str(problem), "traceback": ""}
+                exit_code = 1
+            return _reply(exit_code=exit_code, error=error, value=None, memory_error=memory_error,
+                          heap_top=_heap_top())
+
+
+def _exit_status(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    return 1
+
+
+def _heap_top():
+    """The highest heap address a fresh large block lands at: a floor for memory in use."""
+    try:
+        block = bytearray(1 << 16)
+        return id(block) + len(block)
+    except MemoryError:
+        return 0

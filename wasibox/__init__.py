@@ -1,0 +1,46 @@
+"""wasibox: run untrusted Python in a CPython interpreter compiled to WebAssembly.
+
+>>> import wasibox
+>>> wasibox.run("print(1 + 1)").stdout
+'2\\n'
+"""
+
+from ._errors import (
+    GuestBuildError,
+    GuestError,
+    LimitExceeded,
+    SandboxClosed,
+    UsageError,
+    WasiboxError,
+)
+from ._guest import guest_digest
+from ._limits import Limit, Limits
+from ._result import GuestException, RunResult
+from ._sandbox import Sandbox, run
+from ._version import __version__
+
+__all__ = [
+    "GuestBuildError",
+    "GuestError",
+    "GuestException",
+    "Limit",
+    "LimitExceeded",
+    "Limits",
+    "RunResult",
+    "Sandbox",
+    "SandboxClosed",
+    "UsageError",
+    "WasiboxError",
+    "guest_digest",
+    "run",
+]
+
+# Public names say where users find them, so tracebacks and reprs read `wasibox.Sandbox`.
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__"):
+        try:
+            _obj.__module__ = "wasibox"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,202 @@
+"""The ``wasibox`` command line: run code, prepare the guest, check the installation."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ._errors import WasiboxError
+from ._limits import Limits
+from ._version import __version__
+
+__all__ = ["main"]
+
+#: Exit status when a run exceeded a limit (the same as timeout(1)).
+EXIT_LIMIT = 124
+#: Exit status when wasibox itself could not run the code (bad usage, broken install).
+EXIT_WASIBOX_ERROR = 2
+
+_DESCRIPTION = """\
+Run untrusted Python in a CPython interpreter compiled to WebAssembly.
+
+Each run gets a fresh interpreter with nothing granted: no files, no network, no host
+environment, a virtual clock and seeded entropy. CPU (fuel), wall-clock time, memory and
+output are capped.
+"""
+
+_RUN_EPILOG = """\
+exit status:
+  the guest's own exit status, or 124 if it exceeded a limit (the limit is named on
+  stderr), or 2 if wasibox could not run it.
+
+examples:
+  wasibox run script.py
+  wasibox run -c 'print(sum(range(10)))'
+  wasibox run --timeout 1 --json -c 'while True: pass'
+"""
+
+
+def _limits_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    group = parser.add_argument_group("limits")
+    group.add_argument("--fuel", type=int, default=defaults.fuel,
+                       help="CPU budget in fuel units, deterministic (default: %(default)s)")
+    group.add_argument("--memory", default=defaults.memory_bytes, metavar="BYTES",
+                       help="memory cap, e.g. 268435456 or 256MiB (default: %(default)s)")
+    group.add_argument("--timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
+                       help="wall-clock limit (default: %(default)s)")
+    group.add_argument("--output-bytes", default=defaults.output_bytes, metavar="BYTES",
+                       help="cap on stdout+stderr; the run stops past it (default: %(default)s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wasibox", description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"wasibox {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = commands.add_parser(
+        "run", help="run a Python file or a code string in a fresh sandbox",
+        description="Run Python code in a fresh sandbox and relay its output.",
+        epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument("file", nargs="?", help="the Python file to run ('-' for stdin)")
+    source.add_argument("-c", dest="code", metavar="CODE", help="the code to run")
+    _limits_arguments(run)
+    run.add_argument("--seed", type=int, default=0,
+                     help="seed for the guest's random module and entropy (default: 0)")
+    run.add_argument("--real-clock", action="store_true",
+                     help="grant the host's real clock instead of the virtual one")
+    run.add_argument("--real-entropy", action="store_true",
+                     help="grant the host's OS entropy instead of the seeded stream")
+    run.add_argument("--json", action="store_true",
+                     help="print the whole result as JSON instead of relaying output")
+    run.set_defaults(handler=_cmd_run)
+
+    prepare = commands.add_parser(
+        "prepare", help="build and compile the guest now, so the first run is fast",
+        description="Build the guest component (about 20 s) and compile it for this machine "
+                    "(about 10-30 s), with progress. Both are cached; running this again is "
+                    "instant.")
+    prepare.set_defaults(handler=_cmd_prepare)
+
+    doctor = commands.add_parser(
+        "doctor", help="report versions, the guest's state and what this machine supports",
+        description="Report the Python, wasmtime and componentize-py versions, the guest "
+                    "digest and cache state, and KVM availability. Never builds anything.")
+    doctor.set_defaults(handler=_cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``wasibox`` command; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except WasiboxError as exc:
+        print(f"wasibox: error: {exc}", file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return status
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ._sandbox import Sandbox
+
+    if args.code is not None:
+        code = args.code
+    elif args.file == "-":
+        code = sys.stdin.read()
+    else:
+        try:
+            with open(args.file, encoding="utf-8") as handle:
+                code = handle.read()
+        except OSError as exc:
+            print(f"wasibox: error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+            return EXIT_WASIBOX_ERROR
+    limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
+                    output_bytes=args.output_bytes)
+    with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
+                 entropy="real" if args.real_entropy else "seeded") as sandbox:
+        result = sandbox.run(code)
+    if args.json:
+        print(json.dumps(result.to_dict(), default=_json_default, indent=2))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(result.stderr)
+        if result.error is not None:
+            sys.stderr.write(result.error.traceback
+                             or f"{result.error.type}: {result.error.message}\n")
+    if result.limit_exceeded is not None:
+        if not args.json:
+            print(f"wasibox: the run exceeded its {result.limit_exceeded.value} limit",
+                  file=sys.stderr)
+        return EXIT_LIMIT
+    return result.exit_code
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("latin-1")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from ._guest import ensure_guest
+    from ._progress import stderr_reporter
+    from .backends.wasm import runtime
+
+    report = stderr_reporter(min_interval_s=2.0)
+    started = time.perf_counter()
+    artifact = ensure_guest(report)
+    rt = runtime(progress=report)
+    report(f"ready in {time.perf_counter() - started:.1f}s")
+    print(f"guest sha256 {artifact.digest}")
+    print(f"guest minimum memory {rt.min_memory_bytes} bytes")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ._guest import cache_dir, cached_guest_state
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    kvm = "/dev/kvm"
+    if not os.path.exists(kvm):
+        kvm_state = "absent (/dev/kvm does not exist)"
+    elif os.access(kvm, os.R_OK | os.W_OK):
+        kvm_state = "present and accessible (/dev/kvm)"
+    else:
+        kvm_state = "present but not accessible to this user (/dev/kvm)"
+    rows = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("wasibox", __version__),
+        ("wasmtime", version("wasmtime")),
+        ("componentize-py", version("componentize-py")),
+        ("cache", str(cache_dir())),
+        ("guest", cached_guest_state()),
+        ("kvm", kvm_state),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

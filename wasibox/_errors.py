@@ -1,0 +1,75 @@
+"""The one exception tree of wasibox.
+
+::
+
+    WasiboxError                  every error wasibox raises; catch this one
+    ├── GuestError                guest code raised (or exited non-zero); carries its traceback
+    ├── LimitExceeded             a run hit a limit; ``.limit`` says which, ``.result`` the rest
+    ├── GuestBuildError           the guest component could not be built or loaded
+    ├── SandboxClosed             the Sandbox was used after ``close()``
+    └── UsageError                a mistake in the calling code (bad limits, bad arguments)
+
+``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
+part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
+``LimitExceeded`` instead. Errors from the engine itself are converted to this tree at one
+point, in the Wasmtime backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._limits import Limit
+    from ._result import GuestException, RunResult
+
+__all__ = [
+    "GuestBuildError",
+    "GuestError",
+    "LimitExceeded",
+    "SandboxClosed",
+    "UsageError",
+    "WasiboxError",
+]
+
+
+class WasiboxError(Exception):
+    """The root of every error wasibox raises."""
+
+
+class UsageError(WasiboxError):
+    """The calling code used wasibox wrongly; the message says how to fix it."""
+
+
+class SandboxClosed(UsageError):
+    """A Sandbox was used after it was closed."""
+
+
+class GuestBuildError(WasiboxError):
+    """The guest component could not be built, compiled or loaded."""
+
+
+class GuestError(WasiboxError):
+    """Guest code raised an exception, or exited with a non-zero status.
+
+    ``type``, ``message`` and ``traceback`` describe the guest's exception as the guest saw
+    it; the traceback never contains host frames or host paths.
+    """
+
+    def __init__(self, exception: GuestException, result: RunResult | None = None) -> None:
+        self.exception = exception
+        self.type = exception.type
+        self.message = exception.message
+        self.traceback = exception.traceback
+        self.result = result
+        super().__init__(f"{exception.type}: {exception.message}" if exception.message
+                         else exception.type)
+
+
+class LimitExceeded(WasiboxError):
+    """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept."""
+
+    def __init__(self, limit: Limit, result: RunResult | None = None) -> None:
+        self.limit = limit
+        self.result = result
+        super().__init__(f"the run exceeded its {limit.value} limit")

@@ -1,0 +1,149 @@
+"""The guest artifact: where its sources are, building it once, and caching it.
+
+The guest component is built from ``guest/`` (and the WIT contracts in ``capabilities/``) by
+``guest/build.py``, then cached under the user cache directory keyed by a digest of every
+build input. Its sha256 -- ``guest_digest()`` -- names the exact interpreter that runs guest
+code: results, fuel and determinism are promised per digest.
+
+Environment:
+    WASIBOX_CACHE_DIR   where built and compiled guests are kept (default: the user cache dir)
+    WASIBOX_GUEST       use this prebuilt guest component instead of building one
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from ._errors import GuestBuildError
+from ._progress import Reporter, stderr_reporter
+
+__all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "ensure_guest", "file_lock",
+           "guest_digest"]
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestArtifact:
+    """A built guest component on disk and its sha256."""
+
+    path: Path
+    digest: str
+
+
+def cache_dir() -> Path:
+    """The directory wasibox caches built and compiled guests in."""
+    configured = os.environ.get("WASIBOX_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "wasibox"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` so only one process builds the same thing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _guest_sources() -> Path:
+    """``guest/`` inside an installed wheel, or beside the package in a source checkout."""
+    for candidate in (_PACKAGE / "_guest_src" / "guest", _PACKAGE.parent / "guest"):
+        if (candidate / "build.py").is_file():
+            return candidate
+    raise GuestBuildError("the guest sources (guest/build.py) are missing from this "
+                          "installation; reinstall wasibox")
+
+
+@functools.cache
+def _recipe() -> ModuleType:
+    path = _guest_sources() / "build.py"
+    spec = importlib.util.spec_from_file_location("wasibox_guest_build", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+_built: dict[str, GuestArtifact] = {}
+
+
+def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
+    """Return the guest component, building it first if this machine has none cached.
+
+    Building takes about 20 s and reports progress to ``progress`` (stderr by default).
+    Raises GuestBuildError when the build fails, with the step that failed and its output.
+    """
+    prebuilt = os.environ.get("WASIBOX_GUEST")
+    if prebuilt:
+        path = Path(prebuilt)
+        if not path.is_file():
+            raise GuestBuildError(f"WASIBOX_GUEST names {prebuilt!r}, which is not a file")
+        return GuestArtifact(path, _sha256(path))
+    recipe = _recipe()
+    try:
+        key = recipe.inputs_digest()
+    except recipe.BuildError as exc:
+        raise GuestBuildError(str(exc)) from None
+    if key in _built:
+        return _built[key]
+    directory = cache_dir() / "guest" / key[:24]
+    path, digest_file = directory / "guest.wasm", directory / "guest.sha256"
+    if not (path.is_file() and digest_file.is_file()):
+        report = progress if progress is not None else stderr_reporter()
+        with file_lock(directory.with_suffix(".lock")):
+            if not (path.is_file() and digest_file.is_file()):
+                report("building the guest (once per machine; `wasibox prepare` does it "
+                       "ahead of time)")
+                try:
+                    digest = recipe.build(path, report)
+                except recipe.BuildError as exc:
+                    raise GuestBuildError(str(exc)) from None
+                staged = digest_file.with_suffix(".tmp")
+                staged.write_text(digest + "\n")
+                os.replace(staged, digest_file)
+    artifact = GuestArtifact(path, digest_file.read_text().strip())
+    _built[key] = artifact
+    return artifact
+
+
+def guest_digest() -> str:
+    """The sha256 of the guest component this installation runs (building it if needed)."""
+    return ensure_guest(progress=None).digest
+
+
+def cached_guest_state() -> str:
+    """A one-line description of the guest cache, for ``wasibox doctor`` (never builds)."""
+    try:
+        key = _recipe().inputs_digest()
+    except Exception as exc:  # doctor reports; it must not fail on a broken install
+        return f"unavailable ({exc})"
+    directory = cache_dir() / "guest" / key[:24]
+    digest_file = directory / "guest.sha256"
+    if digest_file.is_file():
+        return f"built, sha256 {digest_file.read_text().strip()} ({directory})"
+    return f"not built yet (run `wasibox prepare`; cache: {directory})"
+

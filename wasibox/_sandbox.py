@@ -1,0 +1,157 @@
+"""``Sandbox``: the public way to run untrusted Python, and the ``run`` shortcut."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
+from ._limits import Limits
+from ._result import GuestException, RunResult, build_result
+from .backends.base import Backend, Job, Policy
+
+__all__ = ["Sandbox", "run"]
+
+#: The guest's reply carries the return value and the error description; this caps it.
+REPLY_LIMIT_BYTES = 64 * 2**20
+
+
+class Sandbox:
+    """Runs untrusted Python, each run in a fresh, isolated interpreter.
+
+    The guest gets nothing by default: no files, network, environment or real clock. Runs
+    are deterministic unless ``clock="real"`` or ``entropy="real"`` grants the host's.
+    One Sandbox may be used from several threads at once.
+
+    States: open from construction until ``close()`` (or the end of a ``with`` block);
+    closed afterwards, when every method but ``close`` raises SandboxClosed.
+
+    Raises UsageError for an unknown backend, clock or entropy setting.
+    """
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        seed: int = 0,
+        clock: Literal["virtual", "real"] = "virtual",
+        entropy: Literal["seeded", "real"] = "seeded",
+        backend: Literal["wasm"] | Backend = "wasm",
+    ) -> None:
+        if limits is not None and not isinstance(limits, Limits):
+            raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
+        if clock not in ("virtual", "real"):
+            raise UsageError(f"clock must be 'virtual' or 'real', not {clock!r}")
+        if entropy not in ("seeded", "real"):
+            raise UsageError(f"entropy must be 'seeded' or 'real', not {entropy!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UsageError(f"seed must be an int, not {seed!r}")
+        self.limits = limits or Limits()
+        self.policy = Policy(seed=seed, clock=clock, entropy=entropy)
+        self._backend = _make_backend(backend)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
+            kwargs: Mapping[str, Any] | None = None) -> RunResult:
+        """Run ``code`` in a fresh interpreter and report what happened.
+
+        With ``entry``, the function of that name is then called with ``args`` and
+        ``kwargs``, and its return value is ``result.value``. Arguments and return values
+        must be msgpack-compatible (None, bool, int, float, str, bytes, and lists and dicts
+        of them).
+
+        Never raises for what the guest does: exceptions, exit codes and exceeded limits are
+        in the result. Raises UsageError if ``code`` is not a str or is larger than
+        ``limits.source_bytes``, or if the arguments cannot cross the boundary, and
+        SandboxClosed after ``close()``.
+        """
+        code = self._check_source(code)
+        if entry is None:
+            if args or kwargs:
+                raise UsageError("args and kwargs need an entry function to pass them to")
+            return self._execute(Job(op="run", code=code, limits=self.limits,
+                                     policy=self.policy))
+        if not isinstance(entry, str) or not entry.isidentifier():
+            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
+        return self._execute(Job(op="call", code=code, limits=self.limits, policy=self.policy,
+                                 entry=entry, args=tuple(args), kwargs=dict(kwargs or {})))
+
+    def call(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``code``, then call its function ``entry`` with the arguments; return its value.
+
+        Raises GuestError if the guest raised or exited non-zero, LimitExceeded if a limit
+        was hit, and UsageError as ``run`` does.
+        """
+        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs))
+
+    def close(self) -> None:
+        """Close the sandbox; idempotent. Runs already in progress finish normally."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._backend.close()
+
+    def __enter__(self) -> Sandbox:
+        self._ensure_open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<wasibox.Sandbox backend={self._backend.name} {state}>"
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SandboxClosed("this Sandbox is closed; create a new one")
+
+    def _check_source(self, code: str) -> str:
+        self._ensure_open()
+        if not isinstance(code, str):
+            raise UsageError(f"code must be a str, not {type(code).__name__}")
+        size = len(code.encode("utf-8", errors="surrogatepass"))
+        if size > self.limits.source_bytes:
+            raise UsageError(f"the code is {size} bytes, over the source_bytes limit of "
+                             f"{self.limits.source_bytes}; raise Limits.source_bytes to allow it")
+        return code
+
+    def _execute(self, job: Job) -> RunResult:
+        try:
+            outcome = self._backend.execute(job)
+        except TypeError as exc:  # arguments msgpack cannot encode
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        return build_result(outcome, self._backend.name, REPLY_LIMIT_BYTES)
+
+
+def unwrap(result: RunResult) -> Any:
+    """Return a call's value, or raise LimitExceeded / GuestError for a failed call."""
+    if result.limit_exceeded is not None:
+        raise LimitExceeded(result.limit_exceeded, result)
+    if result.error is not None:
+        raise GuestError(result.error, result)
+    if result.exit_code != 0:
+        raise GuestError(GuestException(type="SystemExit", message=str(result.exit_code),
+                                        traceback=""), result)
+    return result.value
+
+
+def _make_backend(backend: str | Backend) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "wasm":
+        from .backends.wasm import WasmBackend
+
+        return WasmBackend()
+    raise UsageError(f"backend must be 'wasm' or a Backend instance, not {backend!r}")
+
+
+def run(code: str, *, limits: Limits | None = None, seed: int = 0) -> RunResult:
+    """Run ``code`` once in a fresh sandbox with default (or given) limits."""
+    with Sandbox(limits, seed=seed) as sandbox:
+        return sandbox.run(code)

@@ -1,0 +1,1 @@
+"""Engines behind the Sandbox: ``base.Backend`` is the seam, ``wasm`` the default engine."""

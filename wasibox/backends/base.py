@@ -1,0 +1,81 @@
+"""The one seam between the Sandbox and an engine: run one job, close."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Literal
+
+from .._limits import Limits
+from .._result import Outcome
+
+__all__ = ["Backend", "Job", "Policy"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """What the guest is granted besides CPU and memory.
+
+    ``clock="virtual"`` gives a clock that starts at a fixed instant and advances only with
+    the fuel the guest burns and the time it sleeps; ``"real"`` grants the host's clocks.
+    ``entropy="seeded"`` serves wasi:random from a stream seeded by ``seed``; ``"real"``
+    grants the host's OS entropy.
+    """
+
+    seed: int = 0
+    clock: Literal["virtual", "real"] = "virtual"
+    entropy: Literal["seeded", "real"] = "seeded"
+
+    @property
+    def deterministic(self) -> bool:
+        return self.clock == "virtual" and self.entropy == "seeded"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Job:
+    """One unit of work for a backend: run ``code``, then maybe call ``entry``."""
+
+    op: Literal["run", "call"]
+    code: str
+    limits: Limits
+    policy: Policy
+    entry: str | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def request(self) -> dict[str, Any]:
+        """The wire request for the guest runner (see wasibox/_wire.py)."""
+        return {
+            "op": self.op,
+            "code": self.code,
+            "entry": self.entry,
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            # With seeded entropy the random module starts from the seed; with real entropy
+            # it reseeds itself from the host's OS entropy.
+            "seed": self.policy.seed if self.policy.entropy == "seeded" else None,
+        }
+
+
+class Backend(abc.ABC):
+    """An engine that runs jobs in fresh, isolated guests.
+
+    ``execute`` must be safe to call from several threads at once, must give every job a
+    fresh guest, and must never raise for anything the guest does: guest faults and limits
+    are part of the ``Outcome``. ``close`` is idempotent.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def execute(self, job: Job) -> Outcome:
+        """Run ``job`` in a fresh guest and report what happened."""
+
+    def close(self) -> None:
+        """Release the backend's resources. Safe to call more than once."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,578 @@
+"""The Wasmtime backend: CPython compiled to WASI 0.2, one fresh instance per run.
+
+This is the only module that imports ``wasmtime``. It owns:
+
+* one ``Engine`` per process (fuel and epoch interruption on; the proposals the guest does
+  not need off), with one ticker thread that advances the epoch while runs are active;
+* the compiled guest, cached as a ``.cwasm`` keyed by the guest digest, the wasmtime version
+  and the engine settings, and loaded with ``Component.deserialize_file`` (~ms, vs ~20 s to
+  compile);
+* a small pool of instances made ahead of demand on a background thread, so a run pays only
+  for its call. Every instance serves exactly one run and is then dropped;
+* the host side of what every guest gets: its bounded output, its clocks and its entropy.
+  ``wasi:clocks/*`` and ``wasi:random/random`` are defined here in full, shadowing
+  wasmtime's own, so a guest sees only the virtual clock and seeded entropy unless the
+  policy grants the real ones, and so no WASI call can block past the deadline.
+
+Wasmtime's own errors are converted to wasibox results in one place, ``_classify``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import random
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import wasmtime
+from wasmtime import _ffi as ffi
+from wasmtime import component as cm
+
+from .._errors import GuestBuildError, UsageError
+from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock
+from .._limits import Limit
+from .._progress import Reporter, heartbeat, stderr_reporter
+from .._result import GuestException, Outcome
+from .._wire import encode_request
+from .base import Backend, Job
+
+__all__ = ["WasmBackend", "WasmRuntime", "runtime"]
+
+WASMTIME_VERSION = importlib.metadata.version("wasmtime")
+WASI_VERSION = "0.2.9"  # the WASI interfaces componentize-py 0.25's guest imports
+EPOCH_TICK_S = 0.01
+#: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
+VIRTUAL_EPOCH_S = 1_704_067_200
+MAX_WASM_STACK = 1 << 20
+#: Engine settings: part of the compiled-guest cache key, and asserted by tests.
+ENGINE_SETTINGS: dict[str, Any] = {
+    "strategy": "cranelift",
+    "cranelift_opt_level": "speed",
+    "consume_fuel": True,
+    "epoch_interruption": True,
+    "max_wasm_stack": MAX_WASM_STACK,
+    "wasm_threads": False,
+    "shared_memory": False,
+    "wasm_gc": False,
+    "wasm_function_references": False,
+    "wasm_exceptions": False,
+    "wasm_memory64": False,
+    "wasm_stack_switching": False,
+}
+_INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
+_EXIT = re.compile(r"exit status (\d+)")
+
+
+class _Run:
+    """Per-run state. Only the thread running the guest touches it, through ``_current``."""
+
+    __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
+                 "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
+                 "fault", "exit_code")
+
+    def __init__(self, job: Job, store: wasmtime.Store) -> None:
+        self.job = job
+        self.store = store
+        self.limit: Limit | None = None
+        self.fault: GuestException | None = None
+        self.exit_code: int | None = None
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.stdout_truncated = False
+        self.stderr_truncated = False
+        self.output_room = job.limits.output_bytes
+        self.deadline = math.inf
+        self.cancel = threading.Event()
+        self.slept_ns = 0
+        policy = job.policy
+        self.rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+
+    # -- output ---------------------------------------------------------------------------
+    def append(self, fd: int, data: bytes) -> bool:
+        """Keep what fits under the output cap; return False once the cap is exceeded."""
+        sink = self.stderr if fd == 2 else self.stdout
+        if len(data) <= self.output_room:
+            sink += data
+            self.output_room -= len(data)
+            return True
+        sink += data[: self.output_room]
+        self.output_room = 0
+        if fd == 2:
+            self.stderr_truncated = True
+        else:
+            self.stdout_truncated = True
+        self.limit = self.limit or Limit.OUTPUT
+        return False
+
+    # -- time -----------------------------------------------------------------------------
+    def fuel_used(self, context: Any) -> int:
+        remaining = ctypes.c_uint64(0)
+        if ffi.wasmtime_context_get_fuel(context, ctypes.byref(remaining)):
+            return self.job.limits.fuel
+        return self.job.limits.fuel - remaining.value
+
+    def virtual_ns(self, context: Any) -> int:
+        """Virtual time: one nanosecond per unit of fuel burnt, plus the time slept."""
+        return self.fuel_used(context) + self.slept_ns
+
+    def monotonic_ns(self, context: Any) -> int:
+        if self.job.policy.clock == "real":
+            return time.monotonic_ns()
+        return self.virtual_ns(context)
+
+    def wall_ns(self, context: Any) -> int:
+        if self.job.policy.clock == "real":
+            return time.time_ns()
+        return VIRTUAL_EPOCH_S * 10**9 + self.virtual_ns(context)
+
+    def wait(self, context: Any, ns: int) -> None:
+        """Block for ``ns`` of guest time, or trap with a timeout at the deadline."""
+        if self.job.policy.clock == "real":
+            remaining = self.deadline - time.monotonic()
+            if ns / 1e9 >= remaining:
+                self.cancel.wait(max(remaining, 0.0))
+                self.stop(Limit.TIMEOUT)
+            self.cancel.wait(ns / 1e9)
+            return
+        self.slept_ns += ns
+        if self.virtual_ns(context) > self.job.limits.timeout_s * 1e9:
+            self.stop(Limit.TIMEOUT)
+
+    def would_block_past_deadline(self, context: Any, ns: int) -> bool:
+        if self.job.policy.clock == "real":
+            return ns / 1e9 >= self.deadline - time.monotonic()
+        return self.virtual_ns(context) + ns > self.job.limits.timeout_s * 1e9
+
+    # -- entropy --------------------------------------------------------------------------
+    def random_bytes(self, size: int) -> bytes:
+        if size > self.job.limits.memory_bytes:
+            # More than the guest could hold: refuse before the host allocates it.
+            self.stop(Limit.MEMORY)
+        return self.rng.randbytes(size) if self.rng else os.urandom(size)
+
+    def random_u64(self) -> int:
+        return self.rng.getrandbits(64) if self.rng else int.from_bytes(os.urandom(8), "little")
+
+    # -- stopping -------------------------------------------------------------------------
+    def stop(self, limit: Limit) -> None:
+        """End the run now: record why, then trap out of the guest."""
+        self.limit = self.limit or limit
+        raise wasmtime.WasmtimeError(f"wasibox: {limit.value} limit exceeded")
+
+
+_current = threading.local()
+
+
+def _host(function: Any) -> Any:
+    """Wrap a host function so that nothing it raises escapes as a Python exception.
+
+    wasmtime-py parks non-WasmtimeError exceptions from callbacks in a process-global and
+    re-raises them from whichever call returns next, possibly on another thread. Every
+    failure here becomes a WasmtimeError (a trap for this run only) and is recorded on the
+    run itself.
+    """
+
+    def call(context: Any, *args: Any) -> Any:
+        run: _Run | None = getattr(_current, "run", None)
+        if run is None:
+            raise wasmtime.WasmtimeError("wasibox: host function called outside a run")
+        try:
+            return function(run, context._context(), *args)
+        except wasmtime.WasmtimeError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - see docstring
+            run.fault = run.fault or GuestException(
+                type="HostError", message=f"host function failed: {type(exc).__name__}",
+                traceback="")
+            raise wasmtime.WasmtimeError("wasibox: host function failed") from None
+
+    return call
+
+
+class _DateTime:
+    """A wasi:clocks/wall-clock datetime record."""
+
+    __slots__ = ("seconds", "nanoseconds")
+
+    def __init__(self, ns: int) -> None:
+        self.seconds, self.nanoseconds = divmod(ns, 10**9)
+
+
+def _write(run: _Run, context: Any, fd: int, data: str) -> None:
+    if run.limit is not None or not run.append(fd, data.encode("latin-1")):
+        run.stop(Limit.OUTPUT)
+
+
+def _sleep(run: _Run, context: Any, ns: int) -> None:
+    run.wait(context, ns)
+
+
+def _exit(run: _Run, context: Any, status: int) -> None:
+    run.exit_code = status
+    raise wasmtime.WasmtimeError(f"wasibox: the guest exited with status {status}")
+
+
+def _subscribe(run: _Run, context: Any, ns: int) -> None:
+    # A WASI pollable would block inside the host, where epochs never tick. The guest runner
+    # routes every wait through clock.sleep; whatever still reaches here is refused at once.
+    if run.would_block_past_deadline(context, ns):
+        run.stop(Limit.TIMEOUT)
+    run.fault = GuestException(
+        type="BlockingIOError",
+        message="the guest tried to wait through WASI poll, which wasibox does not allow; "
+                "use time.sleep", traceback="")
+    raise wasmtime.WasmtimeError("wasibox: blocking WASI poll refused")
+
+
+def _define_host(linker: cm.Linker) -> None:
+    """Define the guest's stdio and clock capabilities, and shadow WASI clocks and random."""
+    linker.allow_shadowing = True
+    with linker.root() as root:
+        with root.add_instance("wasibox:sandbox/stdio@0.1.0") as stdio:
+            stdio.add_func("write", _host(_write))
+        with root.add_instance("wasibox:sandbox/clock@0.1.0") as clock:
+            clock.add_func("sleep", _host(_sleep))
+        with root.add_instance("wasibox:sandbox/process@0.1.0") as process:
+            process.add_func("exit", _host(_exit))
+        with root.add_instance("wasibox:sandbox/entropy@0.1.0") as entropy:
+            entropy.add_func("random-bytes", _host(
+                lambda run, ctx, size: run.random_bytes(size).decode("latin-1")))
+        with root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as monotonic:
+            monotonic.add_func("now", _host(lambda run, ctx: run.monotonic_ns(ctx)))
+            monotonic.add_func("resolution", _host(lambda run, ctx: 1))
+            monotonic.add_func("subscribe-duration", _host(_subscribe))
+            monotonic.add_func("subscribe-instant", _host(
+                lambda run, ctx, when: _subscribe(run, ctx, max(when - run.monotonic_ns(ctx), 0))))
+        with root.add_instance(f"wasi:clocks/wall-clock@{WASI_VERSION}") as wall:
+            wall.add_func("now", _host(lambda run, ctx: _DateTime(run.wall_ns(ctx))))
+            wall.add_func("resolution", _host(lambda run, ctx: _DateTime(1)))
+        with root.add_instance(f"wasi:random/random@{WASI_VERSION}") as wasi_random:
+            wasi_random.add_func("get-random-bytes",
+                                 _host(lambda run, ctx, size: run.random_bytes(size)))
+            wasi_random.add_func("get-random-u64", _host(lambda run, ctx: run.random_u64()))
+
+
+def _c_output(fd: int) -> Any:
+    """Output written by C code in the guest (not through sys.stdout), into the same sink."""
+
+    def sink(data: bytes) -> int:
+        run: _Run | None = getattr(_current, "run", None)
+        if run is not None:
+            run.append(fd, data)  # past the cap, the next host call stops the run
+        return len(data)
+
+    return sink
+
+
+class _Ticker:
+    """Advances the engine's epoch every EPOCH_TICK_S while at least one run is active."""
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        self._engine = engine
+        self._active = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._active += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="wasibox-epoch",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cond:
+            self._active -= 1
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                # Idle for a while with no runs: let the thread end; the next run restarts it.
+                if not self._cond.wait_for(lambda: self._active > 0, timeout=1.0):
+                    self._thread = None
+                    return
+            time.sleep(EPOCH_TICK_S)
+            self._engine.increment_epoch()
+
+
+class WasmRuntime:
+    """The per-process part of the backend: engine, compiled guest, linker, instance pool."""
+
+    def __init__(self, artifact: GuestArtifact | None = None, *, pool_size: int = 1,
+                 progress: Reporter | None = None) -> None:
+        self.artifact = artifact or ensure_guest(progress)
+        self.engine = wasmtime.Engine(_engine_config())
+        self.component, self.min_memory_bytes = _load_compiled(
+            self.engine, self.artifact, progress or stderr_reporter())
+        self.linker = cm.Linker(self.engine)
+        self.linker.add_wasip2()
+        _define_host(self.linker)
+        self.ticker = _Ticker(self.engine)
+        self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
+        self._pool_size = pool_size
+        self._pool_cond = threading.Condition()
+        self._filler: threading.Thread | None = None
+        self._closed = False
+
+    def instantiate(self) -> tuple[wasmtime.Store, Any]:
+        """A fresh store and instance of the guest, and its ``execute`` export."""
+        store = wasmtime.Store(self.engine)
+        wasi = wasmtime.WasiConfig()
+        wasi.stdout_custom = _c_output(1)
+        wasi.stderr_custom = _c_output(2)
+        store.set_wasi(wasi)
+        store.set_fuel(_INSTANTIATION_FUEL)
+        store.set_epoch_deadline(2**62)
+        instance = self.linker.instantiate(store, self.component)
+        execute = instance.get_func(store, "execute")
+        if execute is None:
+            raise GuestBuildError("the guest component exports no `execute` function; "
+                                  "rebuild it with `wasibox prepare`")
+        return store, execute
+
+    def take(self) -> tuple[wasmtime.Store, Any]:
+        """A pre-made instance if one is ready, else a new one; refills in the background."""
+        with self._pool_cond:
+            slot = self._pool.popleft() if self._pool else None
+            self._pool_cond.notify()
+            self._start_filler()
+        return slot if slot is not None else self.instantiate()
+
+    def _start_filler(self) -> None:
+        if self._pool_size > 0 and (self._filler is None or not self._filler.is_alive()):
+            self._filler = threading.Thread(target=self._fill, name="wasibox-pool", daemon=True)
+            self._filler.start()
+
+    def _fill(self) -> None:
+        while True:
+            with self._pool_cond:
+                if not self._pool_cond.wait_for(
+                        lambda: self._closed or len(self._pool) < self._pool_size, timeout=5.0):
+                    self._filler = None
+                    return
+                if self._closed:
+                    return
+            slot = self.instantiate()
+            with self._pool_cond:
+                if self._closed:
+                    return
+                self._pool.append(slot)
+
+    def close(self) -> None:
+        with self._pool_cond:
+            self._closed = True
+            self._pool.clear()
+            self._pool_cond.notify_all()
+
+
+_runtime: WasmRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime(progress: Reporter | None = None) -> WasmRuntime:
+    """The process-wide runtime, made on first use (building the guest if needed)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = WasmRuntime(progress=progress)
+        return _runtime
+
+
+class WasmBackend(Backend):
+    """Runs each job in a fresh instance of the CPython guest under Wasmtime."""
+
+    name = "wasm"
+
+    def __init__(self, runtime_: WasmRuntime | None = None) -> None:
+        self._runtime = runtime_ or runtime()
+
+    @property
+    def min_memory_bytes(self) -> int:
+        return self._runtime.min_memory_bytes
+
+    def execute(self, job: Job) -> Outcome:
+        rt = self._runtime
+        if job.limits.memory_bytes < rt.min_memory_bytes:
+            raise UsageError(
+                f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
+                f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
+        request = encode_request(job.request())
+        started = time.perf_counter()
+        store, execute = rt.take()
+        run = _Run(job, store)
+        store.set_fuel(job.limits.fuel)
+        store.set_limits(memory_size=job.limits.memory_bytes)
+        reply: str | None = None
+        exit_code: int | None = None
+        with rt.ticker:
+            store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
+            run.deadline = time.monotonic() + job.limits.timeout_s
+            _current.run = run
+            try:
+                reply = execute(store, request)
+            except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+                exit_code = _classify(run, store, exc)
+            finally:
+                _current.run = None
+        duration = time.perf_counter() - started
+        try:
+            fuel_used = job.limits.fuel - store.get_fuel()
+        except wasmtime.WasmtimeError:
+            fuel_used = job.limits.fuel
+        return Outcome(
+            reply=reply,
+            stdout=bytes(run.stdout),
+            stderr=bytes(run.stderr),
+            stdout_truncated=run.stdout_truncated,
+            stderr_truncated=run.stderr_truncated,
+            limit_exceeded=run.limit,
+            fault=run.fault if run.limit is None else None,
+            exit_code=exit_code,
+            fuel_used=fuel_used,
+            memory_peak_bytes=rt.min_memory_bytes,
+            memory_limit_bytes=job.limits.memory_bytes,
+            duration_s=duration,
+        )
+
+
+def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
+    """Turn a wasmtime error into the run's limit or fault; return an exit status if any.
+
+    The single choke point where wasmtime's exceptions become wasibox's vocabulary.
+    """
+    if run.limit is not None:
+        return None
+    if run.exit_code is not None:
+        return run.exit_code
+    code = getattr(exc, "code", None)
+    message = str(exc)
+    if isinstance(code, int):  # the guest called os._exit / WASI exit
+        return code & 0xFF
+    try:
+        out_of_fuel = store.get_fuel() == 0
+    except wasmtime.WasmtimeError:
+        out_of_fuel = True
+    if out_of_fuel:
+        run.limit = Limit.FUEL
+    elif "interrupt" in message or time.monotonic() >= run.deadline:
+        run.limit = Limit.TIMEOUT
+    elif run.fault is not None:
+        pass
+    elif b"MemoryError" in run.stderr or b"out of memory" in run.stderr:
+        # CPython aborts (a wasm trap) when it cannot even raise MemoryError.
+        run.limit = Limit.MEMORY
+    elif "call stack exhausted" in message or "stack overflow" in message:
+        run.fault = GuestException(
+            type="RecursionError",
+            message="maximum recursion depth exceeded (the WebAssembly stack is exhausted)",
+            traceback="")
+    elif match := _EXIT.search(message):
+        return int(match.group(1)) & 0xFF
+    else:
+        first_line = message.strip().splitlines()[0] if message.strip() else "trap"
+        run.fault = GuestException(type="Trap", message=f"the guest trapped: {first_line}",
+                                   traceback="")
+    return None
+
+
+# -- the compiled guest ------------------------------------------------------------------------
+
+def _engine_config() -> wasmtime.Config:
+    config = wasmtime.Config()
+    for name, value in ENGINE_SETTINGS.items():
+        setattr(config, name, value)
+    config.parallel_compilation = True
+    return config
+
+
+def _compiled_path(artifact: GuestArtifact) -> Path:
+    settings = json.dumps(ENGINE_SETTINGS, sort_keys=True).encode()
+    key = hashlib.sha256(settings).hexdigest()[:12]
+    return (cache_dir() / "compiled"
+            / f"{artifact.digest[:24]}-wasmtime-{WASMTIME_VERSION}-{key}.cwasm")
+
+
+def _load_compiled(engine: wasmtime.Engine, artifact: GuestArtifact,
+                   progress: Reporter) -> tuple[cm.Component, int]:
+    """Load the compiled guest from the cache, compiling it first if needed."""
+    path = _compiled_path(artifact)
+    meta_path = path.with_suffix(".json")
+    component = _deserialize(engine, path, meta_path)
+    if component is None:
+        with file_lock(path.with_suffix(".lock")):
+            component = _deserialize(engine, path, meta_path)
+            if component is None:
+                component = _compile(engine, artifact, path, meta_path, progress)
+    meta = json.loads(meta_path.read_text())
+    return component, int(meta["min_memory_bytes"])
+
+
+def _deserialize(engine: wasmtime.Engine, path: Path, meta_path: Path) -> cm.Component | None:
+    if not (path.is_file() and meta_path.is_file()):
+        return None
+    try:
+        return cm.Component.deserialize_file(engine, str(path))
+    except wasmtime.WasmtimeError:
+        return None  # stale or damaged: compile again
+
+
+def _compile(engine: wasmtime.Engine, artifact: GuestArtifact, path: Path, meta_path: Path,
+             progress: Reporter) -> cm.Component:
+    with heartbeat(progress, f"compiling the guest for wasmtime {WASMTIME_VERSION}"):
+        try:
+            component = cm.Component.from_file(engine, str(artifact.path))
+        except wasmtime.WasmtimeError as exc:
+            raise GuestBuildError(f"wasmtime could not compile the guest: {exc}") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(path.name + f".{os.getpid()}.tmp")
+    staged.write_bytes(component.serialize())
+    os.replace(staged, path)
+    min_memory = _measure_min_memory(engine, component)
+    staged_meta = meta_path.with_name(meta_path.name + f".{os.getpid()}.tmp")
+    staged_meta.write_text(json.dumps({"min_memory_bytes": min_memory,
+                                       "guest_digest": artifact.digest}))
+    os.replace(staged_meta, meta_path)
+    progress(f"compiled the guest ({path.stat().st_size / 2**20:.1f} MiB, cached)")
+    return component
+
+
+def _measure_min_memory(engine: wasmtime.Engine, component: cm.Component) -> int:
+    """The smallest memory cap the snapshot can be instantiated under (64 KiB pages)."""
+    linker = cm.Linker(engine)
+    linker.add_wasip2()
+    _define_host(linker)
+    page = 1 << 16
+
+    def fits(pages: int) -> bool:
+        store = wasmtime.Store(engine)
+        store.set_wasi(wasmtime.WasiConfig())
+        store.set_fuel(_INSTANTIATION_FUEL)
+        store.set_epoch_deadline(2**62)
+        store.set_limits(memory_size=pages * page)
+        try:
+            linker.instantiate(store, component)
+        except (wasmtime.WasmtimeError, wasmtime.Trap):
+            return False
+        return True
+
+    low, high = 1, 1 << 14  # 64 KiB .. 1 GiB
+    if not fits(high):
+        raise GuestBuildError("the guest does not instantiate even with 1 GiB of memory")
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low * page
