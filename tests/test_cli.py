@@ -51,14 +51,14 @@ def test_limit_exits_124_and_names_it(args: list[str], limit: str) -> None:
 
 
 def test_json_output() -> None:
-    done = wasibox_cli("run", "--json", "--seed", "3", "-c", "import random; print(random.random())")
+    code = "import random; print(random.random())"
+    done = wasibox_cli("run", "--json", "--seed", "3", "-c", code)
     result = json.loads(done.stdout)
     assert done.returncode == 0
     assert result["ok"] is True and result["backend"] == "wasm"
     assert set(result) >= {"exit_code", "stdout", "stderr", "stdout_truncated", "error",
                            "limit_exceeded", "fuel_used", "memory_peak_bytes", "duration_s"}
-    again = json.loads(wasibox_cli("run", "--json", "--seed", "3", "-c",
-                                   "import random; print(random.random())").stdout)
+    again = json.loads(wasibox_cli("run", "--json", "--seed", "3", "-c", code).stdout)
     assert (again["stdout"], again["fuel_used"]) == (result["stdout"], result["fuel_used"])
     limited = wasibox_cli("run", "--json", "--fuel", "1000000", "-c", "while True: pass")
     assert limited.returncode == 124 and json.loads(limited.stdout)["limit_exceeded"] == "fuel"

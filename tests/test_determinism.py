@@ -6,7 +6,6 @@ import json
 import subprocess
 
 import wasibox
-
 from tests.conftest import PYTHON, child_env
 
 PROGRAM = """

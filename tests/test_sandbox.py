@@ -166,5 +166,6 @@ def test_threads_share_one_sandbox() -> None:
 
 
 def test_guest_output_encoding(sandbox: wasibox.Sandbox) -> None:
-    r = sandbox.run("import sys\nprint('héllo ✓')\nsys.stdout.flush()\nsys.stdout.buffer.write(b'\\xff\\n')")
+    r = sandbox.run("import sys\nprint('héllo ✓')\nsys.stdout.flush()\n"
+                    "sys.stdout.buffer.write(b'\\xff\\n')")
     assert r.stdout == "héllo ✓\n\ufffd\n"

@@ -17,7 +17,7 @@ from ._guest import guest_digest
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
-from ._version import __version__
+from ._version import __version__ as __version__
 
 __all__ = [
     "GuestBuildError",

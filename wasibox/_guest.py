@@ -27,7 +27,7 @@ from ._errors import GuestBuildError
 from ._progress import Reporter, stderr_reporter
 
 __all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "ensure_guest", "file_lock",
-           "guest_digest"]
+           "guest_digest", "installed_version"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -128,6 +128,15 @@ def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
     artifact = GuestArtifact(path, digest_file.read_text().strip())
     _built[key] = artifact
     return artifact
+
+
+def installed_version(dist: str) -> str:
+    """The installed version of a distribution (cheaply: no importlib.metadata import)."""
+    try:
+        version: str = _recipe().installed_version(dist)
+    except _recipe().BuildError as exc:
+        raise GuestBuildError(str(exc)) from None
+    return version
 
 
 def guest_digest() -> str:

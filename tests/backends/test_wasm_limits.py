@@ -8,9 +8,8 @@ import threading
 import pytest
 
 import wasibox
-from wasibox import Limit
-
 from tests.conftest import open_fds
+from wasibox import Limit
 
 BENIGN = "print(sum(range(10)))"
 

@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import wasibox
-
 from tests.conftest import PYTHON, child_env
 
 PROBE = """

@@ -71,7 +71,7 @@ class Backend(abc.ABC):
     def execute(self, job: Job) -> Outcome:
         """Run ``job`` in a fresh guest and report what happened."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release the backend's resources. Safe to call more than once."""
 
     def __enter__(self) -> Backend:

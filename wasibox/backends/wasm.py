@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from .._errors import GuestBuildError, UsageError
-from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock
+from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
 from .._limits import Limit
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
@@ -47,7 +46,7 @@ from .base import Backend, Job
 
 __all__ = ["WasmBackend", "WasmRuntime", "runtime"]
 
-WASMTIME_VERSION = importlib.metadata.version("wasmtime")
+WASMTIME_VERSION = installed_version("wasmtime")
 WASI_VERSION = "0.2.9"  # the WASI interfaces componentize-py 0.25's guest imports
 EPOCH_TICK_S = 0.01
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.

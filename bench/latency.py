@@ -1,0 +1,366 @@
+"""Latency benchmark: how long wasibox takes to run ``print(1+1)``, and how eryx compares.
+
+What it measures (everything is printed; nothing is asserted):
+
+1. Warm runs: ``Sandbox().run("print(1+1)")`` median and p90 over ``--runs`` runs, each in a
+   fresh guest instance, with the warm instance pool (the default runtime) and without one
+   (``WasmRuntime(pool_size=0)``). Runs are back to back, so the CPU stays busy.
+   Also the cost of instantiating the guest alone, and the fuel one run burns.
+2. Cold start: a new Python process that does ``import wasibox; wasibox.run("print(1+1)")``
+   with the compiled guest already cached, timed from launch to exit by the parent and from
+   ``import wasibox`` to the result inside the child. Target: under 250 ms.
+3. First-ever prepare (only with ``--prepare``; about 35-60 s): ``wasibox prepare`` in a
+   subprocess with ``WASIBOX_CACHE_DIR`` pointing at an empty directory.
+4. eryx (the ``pyeryx`` package) side by side, run in its own Python >= 3.12 venv, kept at
+   ``$WASIBOX_BENCH_ERYX_VENV`` (default ``~/.cache/wasibox/bench-eryx-venv``). ``--eryx``
+   creates the venv if needed; by default eryx is measured only if that venv already has it.
+   Target: wasibox's median at most 0.5x eryx's.
+
+Run it with ``make bench`` (which runs ``python bench/latency.py``), or directly:
+
+    python bench/latency.py [--runs 300] [--prepare] [--eryx | --no-eryx]
+
+The cache directory is wasibox's usual one (``WASIBOX_CACHE_DIR`` if set); children inherit
+this process's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import wasibox
+from wasibox.backends.wasm import WasmBackend, WasmRuntime
+
+CODE = "print(1+1)"
+EXPECTED = "2\n"
+WARMUP_RUNS = 10
+COLD_LAUNCHES = 5
+COLD_START_TARGET_MS = 250.0
+ERYX_RATIO_TARGET = 0.5
+ERYX_VENV_ENV = "WASIBOX_BENCH_ERYX_VENV"
+
+#: Runs in a fresh process: import wasibox, run once, report the in-process times as JSON.
+COLD_CHILD = f"""\
+import json, time
+started = time.perf_counter()
+import wasibox
+imported = time.perf_counter()
+result = wasibox.run({CODE!r})
+done = time.perf_counter()
+print(json.dumps({{"stdout": result.stdout, "import_s": imported - started,
+                   "run_s": done - imported}}))
+"""
+
+#: Runs in the eryx venv: ``python -c ERYX_CHILD RUNS WARMUP``; reports its times as JSON.
+ERYX_CHILD = f"""\
+import json, statistics, sys, time
+runs, warmup = int(sys.argv[1]), int(sys.argv[2])
+started = time.perf_counter()
+import eryx
+imported = time.perf_counter()
+first = eryx.Sandbox().execute({CODE!r})
+first_done = time.perf_counter()
+
+def timed(execute):
+    for _ in range(warmup):
+        execute()
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        result = execute()
+        samples.append(time.perf_counter() - t0)
+        if result.stdout_text != {EXPECTED!r}:
+            sys.exit(f"eryx printed {{result.stdout_text!r}}")
+    return samples
+
+sandbox = eryx.Sandbox()
+print(json.dumps({{
+    "version": eryx.__version__,
+    "stdout": first.stdout_text,
+    "import_s": imported - started,
+    "first_result_s": first_done - imported,
+    "reused": timed(lambda: sandbox.execute({CODE!r})),
+    "fresh": timed(lambda: eryx.Sandbox().execute({CODE!r})),
+}}))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Summary of a list of durations, in seconds."""
+
+    median: float
+    p90: float
+    minimum: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        p90 = statistics.quantiles(samples, n=10)[-1] if len(samples) > 1 else samples[0]
+        return cls(statistics.median(samples), p90, min(samples), len(samples))
+
+    def row(self, label: str) -> str:
+        return (f"  {label:<34} median {ms(self.median):>9}   p90 {ms(self.p90):>9}   "
+                f"min {ms(self.minimum):>9}   (n={self.count})")
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def sample(function: Callable[[], object], runs: int, *,
+           warmup: int = WARMUP_RUNS) -> list[float]:
+    """Call ``function`` ``warmup`` times untimed, then ``runs`` times timed."""
+    for _ in range(warmup):
+        function()
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def checked_run(sandbox: wasibox.Sandbox) -> wasibox.RunResult:
+    result = sandbox.run(CODE)
+    if not result.ok or result.stdout != EXPECTED:
+        sys.exit(f"bench: the sandbox did not print {EXPECTED!r}: {result}")
+    return result
+
+
+# -- 1. warm runs --------------------------------------------------------------------------
+
+def bench_warm(runs: int) -> dict[str, Stats]:
+    section(f"warm runs: Sandbox.run({CODE!r}), a fresh guest instance each")
+    pooled = wasibox.Sandbox()
+    results = {"pool": Stats.of(sample(lambda: checked_run(pooled), runs))}
+    print(results["pool"].row("warm pool (default runtime)"), flush=True)
+
+    started = time.perf_counter()
+    bare = WasmRuntime(pool_size=0)
+    print(f"  (a second WasmRuntime loaded the compiled guest in "
+          f"{ms(time.perf_counter() - started)})")
+    unpooled = wasibox.Sandbox(backend=WasmBackend(bare))
+    outcomes: list[wasibox.RunResult] = []
+    results["no_pool"] = Stats.of(sample(lambda: outcomes.append(checked_run(unpooled)), runs))
+    print(results["no_pool"].row("no pool (pool_size=0)"))
+
+    results["instantiate"] = Stats.of(sample(bare.instantiate, runs))
+    print(results["instantiate"].row("of which: instantiate the guest"))
+    fuel = statistics.median(r.fuel_used for r in outcomes)
+    print(f"  fuel per run: {fuel:,.0f}")
+    return results
+
+
+# -- 2. cold start -------------------------------------------------------------------------
+
+def bench_cold() -> dict[str, Stats]:
+    section(f"cold start: a new process runs `import wasibox; wasibox.run({CODE!r})`")
+    baseline, walls, in_process, imports = [], [], [], []
+    for _ in range(COLD_LAUNCHES):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        baseline.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        child = subprocess.run([sys.executable, "-c", COLD_CHILD], check=True,
+                               capture_output=True, text=True)
+        walls.append(time.perf_counter() - started)
+        report = json.loads(child.stdout.splitlines()[-1])
+        if report["stdout"] != EXPECTED:
+            sys.exit(f"bench: the cold child printed {report['stdout']!r}")
+        imports.append(report["import_s"])
+        in_process.append(report["import_s"] + report["run_s"])
+    results = {"wall": Stats.of(walls), "in_process": Stats.of(in_process),
+               "import": Stats.of(imports), "baseline": Stats.of(baseline)}
+    print(results["wall"].row("whole process, launch to exit"))
+    print(results["in_process"].row("in process, import -> result"))
+    print(results["import"].row("of which: import wasibox"))
+    print(results["baseline"].row("for reference: `python -c pass`"))
+    return results
+
+
+# -- 3. first-ever prepare -----------------------------------------------------------------
+
+def bench_prepare(enabled: bool) -> float | None:
+    section("first-ever prepare: build and compile the guest into an empty cache")
+    if not enabled:
+        print("  skipped (slow, ~35-60 s); run `python bench/latency.py --prepare` to measure")
+        return None
+    with tempfile.TemporaryDirectory(prefix="wasibox-bench-cache-") as cache:
+        env = {**os.environ, "WASIBOX_CACHE_DIR": cache}
+        started = time.perf_counter()
+        # stderr (progress) goes straight to the terminal.
+        subprocess.run([sys.executable, "-m", "wasibox._cli", "prepare"], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        elapsed = time.perf_counter() - started
+    print(f"  `wasibox prepare` into an empty cache: {elapsed:.1f} s")
+    return elapsed
+
+
+# -- 4. eryx -------------------------------------------------------------------------------
+
+def eryx_venv() -> Path:
+    configured = os.environ.get(ERYX_VENV_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path("~/.cache/wasibox/bench-eryx-venv").expanduser()
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def has_eryx(python: Path) -> bool:
+    if not python.is_file():
+        return False
+    probe = subprocess.run([str(python), "-c", "import eryx"], capture_output=True)
+    return probe.returncode == 0
+
+
+def find_python312() -> str | None:
+    """A Python >= 3.12 interpreter that actually runs (pyenv shims may not)."""
+    candidates = [shutil.which(name) for name in ("python3.12", "python3.13", "python3")]
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser()
+    for pattern in ("3.12*/bin/python3.12", "3.13*/bin/python3.13"):
+        candidates += [str(path) for path in sorted((pyenv_root / "versions").glob(pattern))]
+    for candidate in filter(None, candidates):
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"],
+            capture_output=True)
+        if probe.returncode == 0:
+            return candidate
+    return None
+
+
+def ensure_eryx_venv(venv: Path) -> tuple[Path | None, str]:
+    """The venv's python with eryx importable, or None and why not."""
+    python = venv_python(venv)
+    if has_eryx(python):
+        return python, f"reusing {venv}"
+    if not python.is_file():
+        base = find_python312()
+        if base is None:
+            return None, "no Python >= 3.12 found (pyeryx needs one)"
+        print(f"  creating {venv} with {base}", flush=True)
+        made = subprocess.run([base, "-m", "venv", str(venv)], capture_output=True, text=True)
+        if made.returncode != 0:
+            return None, f"could not create the venv: {made.stderr.strip()[-300:]}"
+    print("  pip install pyeryx", flush=True)
+    installed = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "pyeryx"],
+                               capture_output=True, text=True)
+    if installed.returncode != 0 or not has_eryx(python):
+        return None, f"pip install pyeryx failed: {installed.stderr.strip()[-300:]}"
+    return python, f"installed pyeryx into {venv}"
+
+
+def bench_eryx(wanted: bool | None, runs: int) -> dict[str, Stats] | None:
+    section(f"eryx: Sandbox.execute({CODE!r})")
+    venv = eryx_venv()
+    if wanted is False:
+        print("  skipped (--no-eryx)")
+        return None
+    if wanted is None and not has_eryx(venv_python(venv)):
+        print(f"  skipped: no eryx venv at {venv}; pass --eryx to create it "
+              f"(or set {ERYX_VENV_ENV})")
+        return None
+    python, how = ensure_eryx_venv(venv)
+    print(f"  {how}")
+    if python is None:
+        return None
+    child = subprocess.run([str(python), "-c", ERYX_CHILD, str(runs), str(WARMUP_RUNS)],
+                           capture_output=True, text=True)
+    if child.returncode != 0:
+        print(f"  the eryx child failed: {child.stderr.strip()[-500:]}")
+        return None
+    report = json.loads(child.stdout.splitlines()[-1])
+    print(f"  pyeryx {report['version']}, in process: import eryx {ms(report['import_s'])}, "
+          f"first Sandbox().execute {ms(report['first_result_s'])}")
+    results = {"reused": Stats.of(report["reused"]), "fresh": Stats.of(report["fresh"])}
+    print(results["reused"].row("one Sandbox, execute each run"))
+    print(results["fresh"].row("new Sandbox() + execute each run"))
+    return results
+
+
+# -- report --------------------------------------------------------------------------------
+
+def header() -> None:
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    print("wasibox latency benchmark")
+    print(f"  machine   {platform.machine()}, {usable} usable CPUs of {cpus}, "
+          f"{platform.system()} {platform.release()}")
+    print(f"  python    {platform.python_version()} ({platform.python_implementation()})")
+    print(f"  wasmtime  {importlib.metadata.version('wasmtime')}")
+    print(f"  guest     {wasibox.guest_digest()[:16]}")
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def summary(warm: dict[str, Stats], cold: dict[str, Stats], prepare_s: float | None,
+            eryx: dict[str, Stats] | None) -> None:
+    section("summary")
+    print(f"  run, warm pool          median {ms(warm['pool'].median)}, "
+          f"p90 {ms(warm['pool'].p90)}")
+    print(f"  run, no pool            median {ms(warm['no_pool'].median)}, "
+          f"p90 {ms(warm['no_pool'].p90)}")
+    cold_ms = cold["wall"].median * 1e3
+    print(f"  cold start              {cold_ms:.0f} ms whole process, "
+          f"{cold['in_process'].median * 1e3:.0f} ms import -> result "
+          f"(target < {COLD_START_TARGET_MS:.0f} ms: "
+          f"{verdict(cold_ms < COLD_START_TARGET_MS)})")
+    print("  first-ever prepare      "
+          + (f"{prepare_s:.1f} s" if prepare_s is not None else "not measured (--prepare)"))
+    if eryx is None:
+        print("  eryx                    not measured")
+        return
+    ratio = warm["pool"].median / eryx["reused"].median
+    print(f"  eryx execute            median {ms(eryx['reused'].median)}, "
+          f"p90 {ms(eryx['reused'].p90)}")
+    print(f"  ours / eryx (median)    {ratio:.2f}x (target <= {ERYX_RATIO_TARGET}x: "
+          f"{verdict(ratio <= ERYX_RATIO_TARGET)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Time wasibox runs, cold starts and (optionally) prepare and eryx.")
+    parser.add_argument("--runs", type=int, default=300,
+                        help="timed runs per measurement (default: %(default)s)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="also time a first-ever `wasibox prepare` (slow, ~35-60 s)")
+    parser.add_argument("--eryx", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure eryx too, creating its venv if needed (default: only "
+                             "if the venv exists)")
+    args = parser.parse_args()
+    if args.runs < 2:
+        parser.error("--runs must be at least 2")
+
+    header()
+    warm = bench_warm(args.runs)
+    cold = bench_cold()
+    prepare_s = bench_prepare(args.prepare)
+    eryx = bench_eryx(args.eryx, args.runs)
+    summary(warm, cold, prepare_s, eryx)
+
+
+if __name__ == "__main__":
+    main()
