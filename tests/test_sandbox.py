@@ -72,6 +72,8 @@ def test_call_errors_for_missing_entry_and_bad_values(sandbox: wasibox.Sandbox) 
         sandbox.call("def f():\n    return object()", "f")
     with pytest.raises(wasibox.UsageError, match="msgpack"):
         sandbox.call("def f(x): pass", "f", object())
+    with pytest.raises(wasibox.UsageError, match="msgpack"):
+        sandbox.call("def f(x): pass", "f", 2**70)
     with pytest.raises(wasibox.UsageError, match="entry"):
         sandbox.call("def f(): pass", "not an identifier")
 

@@ -122,11 +122,7 @@ class Sandbox:
         return code
 
     def _execute(self, job: Job) -> RunResult:
-        try:
-            outcome = self._backend.execute(job)
-        except TypeError as exc:  # arguments msgpack cannot encode
-            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
-        return build_result(outcome, self._backend.name, REPLY_LIMIT_BYTES)
+        return build_result(self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES)
 
 
 def unwrap(result: RunResult) -> Any:

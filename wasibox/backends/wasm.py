@@ -406,9 +406,15 @@ class WasmBackend(Backend):
             raise UsageError(
                 f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
                 f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
-        request = encode_request(job.request())
+        try:
+            request = encode_request(job.request())
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         started = time.perf_counter()
-        store, execute = rt.take()
+        try:
+            store, execute = rt.take()
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         run = _Run(job, store)
         store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
