@@ -377,54 +377,53 @@ class WitWorld(wit_world.WitWorld):
 
 def _execute(request, new_stream):
     """Run one job (see wasibox/_wire.py for its shape) and return the encoded reply."""
-    if True:  # one indentation level with the former method body keeps the diff readable
-        job = msgpack.unpackb(base64.b64decode(request), raw=False, strict_map_key=False)
-        sys.stdout = new_stream(1, line_buffering=False)
-        sys.stderr = new_stream(2, line_buffering=True)
-        seed = job.get("seed")
-        random.seed(seed)  # None reseeds from wasi:random, which the host decides
-        code = job["code"]
-        linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
-        exit_code = 0
-        error = None
-        value = None
-        memory_error = False
+    job = msgpack.unpackb(base64.b64decode(request), raw=False, strict_map_key=False)
+    sys.stdout = new_stream(1, line_buffering=False)
+    sys.stderr = new_stream(2, line_buffering=True)
+    seed = job.get("seed")
+    random.seed(seed)  # None reseeds from the entropy capability: seeded or real, as granted
+    code = job["code"]
+    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    exit_code = 0
+    error = None
+    value = None
+    memory_error = False
+    try:
+        exec(compile(code, _SOURCE_NAME, "exec", dont_inherit=True), namespace)
+        if job.get("op") == "call":
+            entry = job.get("entry")
+            function = namespace.get(entry)
+            if not callable(function):
+                raise NameError(f"the code defines no callable named {entry!r}")
+            value = function(*job.get("args", ()), **job.get("kwargs", {}))
+    except SystemExit as exc:
+        exit_code = _exit_status(exc.code)
+    except MemoryError as exc:
+        memory_error = True
+        error = _describe(exc)
+        exit_code = 1
+    except BaseException as exc:
+        error = _describe(exc)
+        exit_code = 1
+    for stream in (sys.stdout, sys.stderr):
         try:
-            exec(compile(code, _SOURCE_NAME, "exec", dont_inherit=True), namespace)
-            if job.get("op") == "call":
-                entry = job.get("entry")
-                function = namespace.get(entry)
-                if not callable(function):
-                    raise NameError(f"the code defines no callable named {entry!r}")
-                value = function(*job.get("args", ()), **job.get("kwargs", {}))
-        except SystemExit as exc:
-            exit_code = _exit_status(exc.code)
-        except MemoryError as exc:
-            memory_error = True
-            error = _describe(exc)
+            stream.flush()
+        except BaseException:
+            pass
+    # The program may have replaced builtins the reply's encoder relies on.
+    _restore_builtins()
+    try:
+        return _reply(exit_code=exit_code, error=error, value=value, memory_error=memory_error,
+                      heap_top=_heap_top())
+    except (TypeError, ValueError, OverflowError) as exc:
+        if error is None and exit_code == 0:
+            problem = TypeError(f"the return value of {job.get('entry')!r} is not "
+                                f"msgpack-compatible: {exc}")
+            error = {"type": "TypeError", "message": str(problem), "traceback": ""}
             exit_code = 1
-        except BaseException as exc:
-            error = _describe(exc)
-            exit_code = 1
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        # The program may have replaced builtins the reply's encoder relies on.
-        _restore_builtins()
-        try:
-            return _reply(exit_code=exit_code, error=error, value=value, memory_error=memory_error,
-                          heap_top=_heap_top())
-        except (TypeError, ValueError, OverflowError) as exc:
-            if error is None and exit_code == 0:
-                problem = TypeError(f"the return value of {job.get('entry')!r} is not "
-                                    f"msgpack-compatible: {exc}")
-                error = {"type": "TypeError", "message": str(problem), "traceback": ""}
-                exit_code = 1
-            return _reply(exit_code=exit_code, error=error, value=None, memory_error=memory_error,
-                          heap_top=_heap_top())
+        return _reply(exit_code=exit_code, error=error, value=None, memory_error=memory_error,
+                      heap_top=_heap_top())
 
 
 def _exit_status(code):
@@ -441,9 +440,13 @@ def _exit_status(code):
 
 
 def _heap_top():
-    """The highest heap address a fresh large block lands at: a floor for memory in use."""
+    """Where a fresh 64 KiB block ends: a floor for the linear memory in use.
+
+    A bytes object keeps its data inline, so its id (its address in linear memory) plus its
+    size is the block's end.
+    """
     try:
-        block = bytearray(1 << 16)
+        block = bytes(1 << 16)
         return id(block) + len(block)
     except MemoryError:
         return 0
