@@ -18,6 +18,7 @@ This script needs no network and never imports the host package.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -123,16 +124,26 @@ def installed_version(dist: str) -> str:
     Cheaper than importlib.metadata (whose import alone costs ~40 ms), and this runs on every
     process start to find the cached guest.
     """
-    prefix = dist.replace("-", "_").lower() + "-"
+    version = _dist_info_versions().get(dist.replace("-", "_").lower())
+    if version is None:
+        raise BuildError(f"building the guest needs the {dist!r} package: pip install {dist}")
+    return version
+
+
+@functools.cache
+def _dist_info_versions() -> dict[str, str]:
+    """``{normalised name: version}`` from one scan of sys.path; earlier entries win."""
+    versions: dict[str, str] = {}
     for entry in sys.path:
         try:
             names = os.listdir(entry or ".")
         except OSError:
             continue
         for name in names:
-            if name.lower().startswith(prefix) and name.endswith(".dist-info"):
-                return name[len(prefix):-len(".dist-info")]
-    raise BuildError(f"building the guest needs the {dist!r} package: pip install {dist}")
+            if name.endswith(".dist-info") and "-" in name:
+                project, _, version = name[: -len(".dist-info")].partition("-")
+                versions.setdefault(project.lower(), version)
+    return versions
 
 
 def _copy_pure_package(name: str, destination: Path) -> None:

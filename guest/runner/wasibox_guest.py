@@ -366,7 +366,7 @@ def _describe(exc):
     return {"type": type(exc).__name__, "message": message, "traceback": text}
 
 
-def _reply(**fields):
+def _encode(fields):
     return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
 
 
@@ -414,16 +414,16 @@ def _execute(request, new_stream):
     # The program may have replaced builtins the reply's encoder relies on.
     _restore_builtins()
     try:
-        return _reply(exit_code=exit_code, error=error, value=value, memory_error=memory_error,
-                      heap_top=_heap_top())
+        return _encode(dict(exit_code=exit_code, error=error, value=value,
+                            memory_error=memory_error, heap_top=_heap_top()))
     except (TypeError, ValueError, OverflowError) as exc:
         if error is None and exit_code == 0:
             problem = TypeError(f"the return value of {job.get('entry')!r} is not "
                                 f"msgpack-compatible: {exc}")
             error = {"type": "TypeError", "message": str(problem), "traceback": ""}
             exit_code = 1
-        return _reply(exit_code=exit_code, error=error, value=None, memory_error=memory_error,
-                      heap_top=_heap_top())
+        return _encode(dict(exit_code=exit_code, error=error, value=None,
+                            memory_error=memory_error, heap_top=_heap_top()))
 
 
 def _exit_status(code):
@@ -471,8 +471,7 @@ def _warm_up():
     ]
     for _ in range(8):
         for job in jobs:
-            _execute(base64.b64encode(msgpack.packb(job, use_bin_type=True)).decode("ascii"),
-                     scratch_stream)
+            _execute(_encode(job), scratch_stream)
     sys.stdout, sys.stderr = saved
     linecache.cache.pop(_SOURCE_NAME, None)
 
