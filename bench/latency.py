@@ -3,9 +3,15 @@
 What it measures (everything is printed; nothing is asserted):
 
 1. Warm runs: ``Sandbox().run("print(1+1)")`` median and p90 over ``--runs`` runs, each in a
-   fresh guest instance, with the warm instance pool (the default runtime) and without one
-   (``WasmRuntime(pool_size=0)``). Runs are back to back, so the CPU stays busy.
-   Also the cost of instantiating the guest alone, and the fuel one run burns.
+   fresh guest instance:
+   - *paced*: with the warm instance pool (the default runtime) and ``--gap-ms`` of idle time
+     between runs, as requests reach a service: each run finds a primed instance waiting.
+     This is the figure compared with eryx (which is paced the same way);
+   - *back to back*: with the pool, but no gap, so the pool cannot keep up and each run
+     also waits for an instance to be made;
+   - *no pool* (``WasmRuntime(pool_size=0)``): each run makes its instance inline.
+   Also the cost of making (instantiating and priming) an instance alone, and the fuel one
+   run burns.
 2. Cold start: a new Python process that does ``import wasibox; wasibox.run("print(1+1)")``
    with the compiled guest already cached, timed from launch to exit by the parent and from
    ``import wasibox`` to the result inside the child. Target: under 250 ms.
@@ -18,7 +24,7 @@ What it measures (everything is printed; nothing is asserted):
 
 Run it with ``make bench`` (which runs ``python bench/latency.py``), or directly:
 
-    python bench/latency.py [--runs 300] [--prepare] [--eryx | --no-eryx]
+    python bench/latency.py [--runs 300] [--gap-ms 20] [--prepare] [--eryx | --no-eryx]
 
 The cache directory is wasibox's usual one (``WASIBOX_CACHE_DIR`` if set); children inherit
 this process's environment.
@@ -64,21 +70,23 @@ print(json.dumps({{"stdout": result.stdout, "import_s": imported - started,
                    "run_s": done - imported}}))
 """
 
-#: Runs in the eryx venv: ``python -c ERYX_CHILD RUNS WARMUP``; reports its times as JSON.
+#: Runs in the eryx venv: ``python -c ERYX_CHILD RUNS WARMUP GAP_S``; reports its times as
+#: JSON.
 ERYX_CHILD = f"""\
 import json, statistics, sys, time
-runs, warmup = int(sys.argv[1]), int(sys.argv[2])
+runs, warmup, gap_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 started = time.perf_counter()
 import eryx
 imported = time.perf_counter()
 first = eryx.Sandbox().execute({CODE!r})
 first_done = time.perf_counter()
 
-def timed(execute):
+def timed(execute, gap=0.0):
     for _ in range(warmup):
         execute()
     samples = []
     for _ in range(runs):
+        time.sleep(gap)
         t0 = time.perf_counter()
         result = execute()
         samples.append(time.perf_counter() - t0)
@@ -92,7 +100,7 @@ print(json.dumps({{
     "stdout": first.stdout_text,
     "import_s": imported - started,
     "first_result_s": first_done - imported,
-    "reused": timed(lambda: sandbox.execute({CODE!r})),
+    "reused": timed(lambda: sandbox.execute({CODE!r}), gap_s),
     "fresh": timed(lambda: eryx.Sandbox().execute({CODE!r})),
 }}))
 """
@@ -125,13 +133,14 @@ def section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
 
-def sample(function: Callable[[], object], runs: int, *,
-           warmup: int = WARMUP_RUNS) -> list[float]:
-    """Call ``function`` ``warmup`` times untimed, then ``runs`` times timed."""
+def sample(function: Callable[[], object], runs: int, *, warmup: int = WARMUP_RUNS,
+           gap_s: float = 0.0) -> list[float]:
+    """Call ``function`` ``warmup`` times untimed, then ``runs`` times timed, ``gap_s`` apart."""
     for _ in range(warmup):
         function()
     samples = []
     for _ in range(runs):
+        time.sleep(gap_s)
         started = time.perf_counter()
         function()
         samples.append(time.perf_counter() - started)
@@ -147,11 +156,13 @@ def checked_run(sandbox: wasibox.Sandbox) -> wasibox.RunResult:
 
 # -- 1. warm runs --------------------------------------------------------------------------
 
-def bench_warm(runs: int) -> dict[str, Stats]:
+def bench_warm(runs: int, gap_s: float) -> dict[str, Stats]:
     section(f"warm runs: Sandbox.run({CODE!r}), a fresh guest instance each")
     pooled = wasibox.Sandbox()
-    results = {"pool": Stats.of(sample(lambda: checked_run(pooled), runs))}
-    print(results["pool"].row("warm pool (default runtime)"), flush=True)
+    results = {"pool": Stats.of(sample(lambda: checked_run(pooled), runs, gap_s=gap_s))}
+    print(results["pool"].row(f"warm pool, paced ({gap_s * 1e3:.0f} ms apart)"), flush=True)
+    results["back_to_back"] = Stats.of(sample(lambda: checked_run(pooled), runs))
+    print(results["back_to_back"].row("warm pool, back to back"), flush=True)
 
     started = time.perf_counter()
     bare = WasmRuntime(pool_size=0)
@@ -163,7 +174,7 @@ def bench_warm(runs: int) -> dict[str, Stats]:
     print(results["no_pool"].row("no pool (pool_size=0)"))
 
     results["instantiate"] = Stats.of(sample(bare.instantiate, runs))
-    print(results["instantiate"].row("of which: instantiate the guest"))
+    print(results["instantiate"].row("of which: make an instance (instantiate + prime)"))
     fuel = statistics.median(r.fuel_used for r in outcomes)
     print(f"  fuel per run: {fuel:,.0f}")
     return results
@@ -271,7 +282,7 @@ def ensure_eryx_venv(venv: Path) -> tuple[Path | None, str]:
     return python, f"installed pyeryx into {venv}"
 
 
-def bench_eryx(wanted: bool | None, runs: int) -> dict[str, Stats] | None:
+def bench_eryx(wanted: bool | None, runs: int, gap_s: float) -> dict[str, Stats] | None:
     section(f"eryx: Sandbox.execute({CODE!r})")
     venv = eryx_venv()
     if wanted is False:
@@ -285,8 +296,8 @@ def bench_eryx(wanted: bool | None, runs: int) -> dict[str, Stats] | None:
     print(f"  {how}")
     if python is None:
         return None
-    child = subprocess.run([str(python), "-c", ERYX_CHILD, str(runs), str(WARMUP_RUNS)],
-                           capture_output=True, text=True)
+    child = subprocess.run([str(python), "-c", ERYX_CHILD, str(runs), str(WARMUP_RUNS),
+                            str(gap_s)], capture_output=True, text=True)
     if child.returncode != 0:
         print(f"  the eryx child failed: {child.stderr.strip()[-500:]}")
         return None
@@ -294,7 +305,8 @@ def bench_eryx(wanted: bool | None, runs: int) -> dict[str, Stats] | None:
     print(f"  pyeryx {report['version']}, in process: import eryx {ms(report['import_s'])}, "
           f"first Sandbox().execute {ms(report['first_result_s'])}")
     results = {"reused": Stats.of(report["reused"]), "fresh": Stats.of(report["fresh"])}
-    print(results["reused"].row("one Sandbox, execute each run"))
+    print(results["reused"].row(f"one Sandbox, execute each run, paced "
+                                f"({gap_s * 1e3:.0f} ms apart)"))
     print(results["fresh"].row("new Sandbox() + execute each run"))
     return results
 
@@ -319,8 +331,10 @@ def verdict(met: bool) -> str:
 def summary(warm: dict[str, Stats], cold: dict[str, Stats], prepare_s: float | None,
             eryx: dict[str, Stats] | None) -> None:
     section("summary")
-    print(f"  run, warm pool          median {ms(warm['pool'].median)}, "
+    print(f"  run, warm pool, paced   median {ms(warm['pool'].median)}, "
           f"p90 {ms(warm['pool'].p90)}")
+    print(f"  run, back to back       median {ms(warm['back_to_back'].median)}, "
+          f"p90 {ms(warm['back_to_back'].p90)}")
     print(f"  run, no pool            median {ms(warm['no_pool'].median)}, "
           f"p90 {ms(warm['no_pool'].p90)}")
     cold_ms = cold["wall"].median * 1e3
@@ -334,7 +348,7 @@ def summary(warm: dict[str, Stats], cold: dict[str, Stats], prepare_s: float | N
         print("  eryx                    not measured")
         return
     ratio = warm["pool"].median / eryx["reused"].median
-    print(f"  eryx execute            median {ms(eryx['reused'].median)}, "
+    print(f"  eryx execute, paced     median {ms(eryx['reused'].median)}, "
           f"p90 {ms(eryx['reused'].p90)}")
     print(f"  ours / eryx (median)    {ratio:.2f}x (target <= {ERYX_RATIO_TARGET}x: "
           f"{verdict(ratio <= ERYX_RATIO_TARGET)})")
@@ -345,6 +359,8 @@ def main() -> None:
         description="Time wasibox runs, cold starts and (optionally) prepare and eryx.")
     parser.add_argument("--runs", type=int, default=300,
                         help="timed runs per measurement (default: %(default)s)")
+    parser.add_argument("--gap-ms", type=float, default=20.0,
+                        help="idle time between paced runs (default: %(default)s)")
     parser.add_argument("--prepare", action="store_true",
                         help="also time a first-ever `wasibox prepare` (slow, ~35-60 s)")
     parser.add_argument("--eryx", action=argparse.BooleanOptionalAction, default=None,
@@ -355,10 +371,10 @@ def main() -> None:
         parser.error("--runs must be at least 2")
 
     header()
-    warm = bench_warm(args.runs)
+    warm = bench_warm(args.runs, args.gap_ms / 1e3)
     cold = bench_cold()
     prepare_s = bench_prepare(args.prepare)
-    eryx = bench_eryx(args.eryx, args.runs)
+    eryx = bench_eryx(args.eryx, args.runs, args.gap_ms / 1e3)
     summary(warm, cold, prepare_s, eryx)
 
 

@@ -1,6 +1,9 @@
-"""The wire format between host and guest: base64-encoded msgpack maps.
+"""The wire format between host and guest, carried as ASCII strings.
 
-A request (host to guest) is trusted: the host builds it::
+A request (host to guest) is trusted: the host builds it. It is a base64-encoded ``marshal``
+map, because the guest decodes marshal in C, where msgpack's pure-Python decoder cost more
+fuel than a small program does. Arguments are passed through msgpack first, so the guest sees
+exactly the values msgpack would deliver (tuples become lists, for instance)::
 
     {"op": "run" | "call", "code": str, "entry": str | None, "args": list, "kwargs": map,
      "seed": int | None}
@@ -9,12 +12,14 @@ A request (host to guest) is trusted: the host builds it::
 guest's entropy (which the host decides: seeded or real).
 
 A reply (guest to host) is **untrusted**: the guest program shares an interpreter with the
-runner and can forge it. It is size-checked before it is decoded, and depth- and shape-checked
-after, and it only ever describes the guest's own outcome; everything the host measures (fuel,
-time, output, limits) comes from the host::
+runner and can forge it. It is a JSON object (the guest encodes JSON in C), whose ``value``, if
+present, is base64-encoded msgpack, so that values keep msgpack's exact types. It is
+size-checked before it is decoded, and depth- and shape-checked after, and it only ever
+describes the guest's own outcome; everything the host measures (fuel, time, output, limits)
+comes from the host::
 
     {"exit_code": int, "error": None | {"type": str, "message": str, "traceback": str},
-     "value": any msgpack value, "memory_error": bool, "heap_top": int}
+     "value": absent | None | base64 msgpack, "memory_error": bool, "heap_top": int}
 
 The reply is checked by hand rather than with pydantic: importing pydantic costs more than
 the whole cold start budget of a run (measured 80-190 ms), and the shape is small.
@@ -25,12 +30,14 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
+import marshal
 from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_DEPTH", "ProtocolError", "Reply", "decode_reply", "encode_request",
-           "check_depth"]
+__all__ = ["MAX_DEPTH", "MARSHAL_VERSION", "ProtocolError", "Reply", "as_msgpack_values",
+           "check_depth", "decode_reply", "encode_request"]
 
 #: Deepest nesting accepted in a value that crosses the boundary. msgpack's own decoder
 #: accepts 1024, deep enough to exhaust the host's recursion limit in code that walks it.
@@ -50,23 +57,37 @@ class Reply:
     heap_top: int
 
 
+#: The marshal format version requests use: every CPython since 3.4 reads it.
+MARSHAL_VERSION = 4
+
+
+def as_msgpack_values(value: Any) -> Any:
+    """``value`` as msgpack would deliver it; raises TypeError/ValueError/OverflowError."""
+    return msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False,
+                           strict_map_key=False)
+
+
 def encode_request(fields: dict[str, Any]) -> str:
-    """Encode a request for the guest runner; raises TypeError for non-msgpack values."""
-    return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
+    """Encode a request for the guest runner; raises TypeError for non-msgpack arguments."""
+    fields = dict(fields)
+    for key in ("args", "kwargs"):
+        if fields.get(key):
+            fields[key] = as_msgpack_values(fields[key])
+    return base64.b64encode(marshal.dumps(fields, MARSHAL_VERSION)).decode("ascii")
 
 
 def decode_reply(text: str, max_bytes: int) -> Reply:
     """Decode and check the guest's reply; raises ProtocolError when it breaks the contract."""
-    if len(text) > (max_bytes * 4) // 3 + 4:
+    if len(text) > (max_bytes * 4) // 3 + 4096:
         raise ProtocolError(f"the guest's reply is larger than {max_bytes} bytes")
     try:
-        raw = base64.b64decode(text, validate=True)
-        message = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (binascii.Error, ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"the guest's reply is not valid msgpack: {exc}") from None
+        message = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"the guest's reply is not valid JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("the guest's reply is not a map")
     check_depth(message, MAX_DEPTH + 1)
+    value = _decode_value(message.get("value"))
     exit_code = message.get("exit_code")
     error = message.get("error")
     memory_error = message.get("memory_error", False)
@@ -81,7 +102,21 @@ def decode_reply(text: str, max_bytes: int) -> Reply:
         raise ProtocolError("the guest's reply has malformed memory fields")
     if error is not None:
         error = {key: error[key] for key in ("type", "message", "traceback")}
-    return Reply(exit_code, error, message.get("value"), memory_error, max(heap_top, 0))
+    return Reply(exit_code, error, value, memory_error, max(heap_top, 0))
+
+
+def _decode_value(encoded: Any) -> Any:
+    if encoded is None:
+        return None
+    if type(encoded) is not str:
+        raise ProtocolError("the guest's reply has a malformed value")
+    try:
+        value = msgpack.unpackb(base64.b64decode(encoded, validate=True), raw=False,
+                                strict_map_key=False)
+    except (binascii.Error, ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"the guest's return value is not valid msgpack: {exc}") from None
+    check_depth(value)
+    return value
 
 
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:

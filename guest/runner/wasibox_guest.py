@@ -11,11 +11,13 @@ shapes it speaks are documented in ``wasibox/_wire.py``.
 """
 
 import base64
+import binascii
 import builtins
 import gc
 import importlib.abc
 import importlib.machinery
 import io
+import json
 import linecache
 import marshal
 import os
@@ -366,22 +368,51 @@ def _describe(exc):
     return {"type": type(exc).__name__, "message": message, "traceback": text}
 
 
-def _encode(fields):
-    return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
+_json_string = json.encoder.encode_basestring_ascii  # C; escapes lone surrogates too
+
+
+def _encode(exit_code, error, value, memory_error, heap_top):
+    """The reply: a JSON object whose ``value``, if any, is base64 msgpack.
+
+    Only the value needs msgpack's exact types. The rest has a fixed shape, so it is written
+    directly with the C string escaper: msgpack's pure-Python encoder, or even ``json.dumps``
+    (which builds a new encoder per call), cost more fuel than a small program does.
+    """
+    parts = ['{"exit_code":%d,"memory_error":%s,"heap_top":%d'
+             % (exit_code, "true" if memory_error else "false", heap_top)]
+    if error is not None:
+        parts.append(',"error":{"type":%s,"message":%s,"traceback":%s}' % (
+            _json_string(error["type"]), _json_string(error["message"]),
+            _json_string(error["traceback"])))
+    if value is not None:
+        parts.append(',"value":"%s"' % binascii.b2a_base64(
+            msgpack.packb(value, use_bin_type=True), newline=False).decode("ascii"))
+    parts.append("}")
+    return "".join(parts)
 
 
 class WitWorld(wit_world.WitWorld):
     def execute(self, request: str) -> str:
-        return _execute(request, _new_stream)
+        return _execute(request, _STREAMS)
 
 
-def _execute(request, new_stream):
-    """Run one job (see wasibox/_wire.py for its shape) and return the encoded reply."""
-    job = msgpack.unpackb(base64.b64decode(request), raw=False, strict_map_key=False)
-    sys.stdout = new_stream(1, line_buffering=False)
-    sys.stderr = new_stream(2, line_buffering=True)
+# The seed the snapshot's ``random`` module was seeded with at build time (see the end of this
+# file): a job with this seed skips re-seeding, which costs more than the rest of a small run.
+_SNAPSHOT_SEED = 0
+
+
+def _execute(request, streams):
+    """Run one job (see wasibox/_wire.py for its shape) and return the encoded reply.
+
+    The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
+    where msgpack's pure-Python decoder cost more fuel than a small program does.
+    """
+    job = marshal.loads(binascii.a2b_base64(request))
+    stdout, stderr = streams
+    sys.stdout, sys.stderr = stdout, stderr
     seed = job.get("seed")
-    random.seed(seed)  # None reseeds from the entropy capability: seeded or real, as granted
+    if seed != _SNAPSHOT_SEED:
+        random.seed(seed)  # None reseeds from the entropy capability: seeded or real
     code = job["code"]
     linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
@@ -406,7 +437,7 @@ def _execute(request, new_stream):
     except BaseException as exc:
         error = _describe(exc)
         exit_code = 1
-    for stream in (sys.stdout, sys.stderr):
+    for stream in streams:
         try:
             stream.flush()
         except BaseException:
@@ -414,16 +445,14 @@ def _execute(request, new_stream):
     # The program may have replaced builtins the reply's encoder relies on.
     _restore_builtins()
     try:
-        return _encode(dict(exit_code=exit_code, error=error, value=value,
-                            memory_error=memory_error, heap_top=_heap_top()))
+        return _encode(exit_code, error, value, memory_error, _heap_top())
     except (TypeError, ValueError, OverflowError) as exc:
         if error is None and exit_code == 0:
             problem = TypeError(f"the return value of {job.get('entry')!r} is not "
                                 f"msgpack-compatible: {exc}")
             error = {"type": "TypeError", "message": str(problem), "traceback": ""}
             exit_code = 1
-        return _encode(dict(exit_code=exit_code, error=error, value=None,
-                            memory_error=memory_error, heap_top=_heap_top()))
+        return _encode(exit_code, error, None, memory_error, _heap_top())
 
 
 def _exit_status(code):
@@ -440,13 +469,13 @@ def _exit_status(code):
 
 
 def _heap_top():
-    """Where a fresh 64 KiB block ends: a floor for the linear memory in use.
+    """Where a fresh 4 KiB block ends: a floor for the linear memory in use.
 
     A bytes object keeps its data inline, so its id (its address in linear memory) plus its
     size is the block's end.
     """
     try:
-        block = bytes(1 << 16)
+        block = bytes(1 << 12)
         return id(block) + len(block)
     except MemoryError:
         return 0
@@ -458,9 +487,8 @@ def _warm_up():
     """Run typical jobs a few times now, so the snapshot holds the interpreter's specialised
     bytecode and warm caches: a fresh instance then writes (and copies) fewer pages."""
     saved = sys.stdout, sys.stderr
-
-    def scratch_stream(fd, line_buffering):
-        return io.TextIOWrapper(io.BytesIO(), encoding="utf-8", line_buffering=line_buffering)
+    scratch = tuple(io.TextIOWrapper(io.BytesIO(), encoding="utf-8", line_buffering=buffering)
+                    for buffering in (False, True))
 
     jobs = [
         {"op": "run", "code": "print(1 + 1)", "seed": 0},
@@ -471,12 +499,16 @@ def _warm_up():
     ]
     for _ in range(8):
         for job in jobs:
-            _execute(_encode(job), scratch_stream)
+            _execute(binascii.b2a_base64(marshal.dumps(job, 4)).decode("ascii"), scratch)
     sys.stdout, sys.stderr = saved
     linecache.cache.pop(_SOURCE_NAME, None)
 
 
 _warm_up()
+# Every run starts from this state, so what every run would otherwise build first is built
+# here, once: the output streams and the default seed's generator state.
+_STREAMS = (_new_stream(1, line_buffering=False), _new_stream(2, line_buffering=True))
+random.seed(_SNAPSHOT_SEED)
 # Everything made so far lives for the life of the snapshot. Freezing it keeps the cyclic
 # garbage collector from walking (and so page-faulting in) the whole snapshot heap during a
 # run: a run's collections see only the objects that run made.

@@ -1,0 +1,80 @@
+"""The host/guest wire contract: requests are exact, forged replies are contained."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import msgpack
+import pytest
+
+import wasibox
+from wasibox._wire import MAX_DEPTH, ProtocolError, decode_reply, encode_request
+
+
+def reply(**fields: object) -> str:
+    base = {"exit_code": 0, "memory_error": False, "heap_top": 0}
+    return json.dumps({**base, **fields})
+
+
+def packed(value: object) -> str:
+    return base64.b64encode(msgpack.packb(value, use_bin_type=True)).decode()
+
+
+def test_value_round_trips_with_msgpack_types() -> None:
+    value = {"a": [1, 2.5, None, True, b"\x00\xff", "é"], 3: {"nested": []}}
+    assert decode_reply(reply(value=packed(value)), 2**20).value == value
+
+
+def test_arguments_reach_the_guest_as_msgpack_delivers_them(
+        sandbox: wasibox.Sandbox) -> None:
+    code = "def f(*args, **kwargs):\n    return [repr(args), repr(kwargs)]"
+    args, kwargs = sandbox.call(code, "f", (1, 2), b"x", k={"t": (3,)})
+    assert args == "([1, 2], b'x')"
+    assert kwargs == "{'k': {'t': [3]}}"
+
+
+def test_request_rejects_values_msgpack_cannot_carry() -> None:
+    with pytest.raises(TypeError):
+        encode_request({"op": "call", "args": [object()]})
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "not a map"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+    (reply(exit_code=256), "exit_code"),
+    (reply(exit_code="0"), "exit_code"),
+    (reply(error={"type": "X"}), "malformed error"),
+    (reply(heap_top="big"), "memory fields"),
+    (reply(value=12), "malformed value"),
+    (reply(value="!!!not base64"), "not valid msgpack"),
+    (reply(value=packed([[[[[[]]]]]] * 2)[:-3]), "not valid msgpack"),
+])
+def test_malformed_replies_are_protocol_errors(text: str, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        decode_reply(text, 2**20)
+
+
+def test_too_deep_value_is_refused() -> None:
+    deep: list[object] = []
+    for _ in range(MAX_DEPTH + 5):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match="deeper"):
+        decode_reply(reply(value=packed(deep)), 2**20)
+
+
+def test_oversized_reply_is_refused_before_decoding() -> None:
+    with pytest.raises(ProtocolError, match="larger"):
+        decode_reply(reply(value=packed("x" * 10_000)), 1_000)
+
+
+def test_a_guest_that_forges_its_reply_gets_a_protocol_error(
+        sandbox: wasibox.Sandbox) -> None:
+    forge = ("import sys\n"
+             "runner = sys.modules['wasibox_guest']\n"
+             "runner._encode = lambda *a: '{\"exit_code\": 0, \"value\": 5}'\n")
+    result = sandbox.run(forge)
+    assert not result.ok
+    assert result.error is not None and result.error.type == "ProtocolError"
+    assert sandbox.run("print('next')").stdout == "next\n"
