@@ -11,6 +11,11 @@ exactly the values msgpack would deliver (tuples become lists, for instance)::
 ``seed`` is what ``random.seed`` gets at the start of the run; ``None`` reseeds from the
 guest's entropy (which the host decides: seeded or real).
 
+A ``run`` or ``call`` request may also carry ``"compiled": bytes``, the marshalled code object
+of ``code``; the runner then loads it instead of compiling. A ``compile`` request
+(``{"op": "compile", "code": str, "seed": 0}``) runs none of the code: its reply's value is
+that marshalled code object, or its error the SyntaxError.
+
 A reply (guest to host) is **untrusted**: the guest program shares an interpreter with the
 runner and can forge it. It is a JSON object (the guest encodes JSON in C), whose ``value``, if
 present, is base64-encoded msgpack, so that values keep msgpack's exact types. It is

@@ -47,7 +47,7 @@ from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installe
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
-from .._wire import encode_request
+from .._wire import ProtocolError, decode_reply, encode_request
 from .base import Backend, Job, Policy
 
 __all__ = ["WasmBackend", "WasmRuntime", "runtime"]
@@ -74,6 +74,14 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "wasm_stack_switching": False,
 }
 _INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
+#: Compiled programs kept per WasmBackend (so per Sandbox): source plus marshalled code.
+COMPILE_CACHE_BYTES = 32 * 2**20
+#: A compiled program larger than this is not kept; the run compiles it itself.
+MAX_COMPILED_BYTES = 8 * 2**20
+#: The compiler instance is replaced after this many compiles, so its heap cannot creep.
+COMPILER_RECYCLE_AFTER = 1000
+#: ... and as soon as its heap has grown past this, since linear memory never shrinks.
+COMPILER_HEAP_BYTES = 64 * 2**20
 #: What every instance runs before it serves a run: the paths a typical run takes (compile,
 #: exec, print, call, return a value), so that their pages are already copied.
 PRIMING_JOB = Job(op="call", code="def prime():\n    print('wasibox')\n    return [1]",
@@ -87,7 +95,7 @@ class _Run:
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
-                 "fault", "exit_code")
+                 "fault", "exit_code", "started")
 
     def __init__(self, job: Job, store: wasmtime.Store) -> None:
         self.job = job
@@ -103,6 +111,7 @@ class _Run:
         self.deadline = math.inf
         self.cancel = threading.Event()
         self.slept_ns = 0
+        self.started = False
         policy = job.policy
         self.rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
 
@@ -226,6 +235,19 @@ def _sleep(run: _Run, context: Any, ns: int) -> None:
     run.wait(context, ns)
 
 
+def _start(run: _Run, context: Any) -> None:
+    """The program is about to run: meter its fuel from here, so compiling is not counted.
+
+    The runner calls this before any of the program runs; later calls (the program's own)
+    are ignored, so a program cannot reset its fuel.
+    """
+    if run.started:
+        return
+    run.started = True
+    if ffi.wasmtime_context_set_fuel(context, run.job.limits.fuel):
+        raise wasmtime.WasmtimeError("wasibox: could not reset the guest's fuel")
+
+
 def _exit(run: _Run, context: Any, status: int) -> None:
     run.exit_code = status
     raise wasmtime.WasmtimeError(f"wasibox: the guest exited with status {status}")
@@ -247,6 +269,8 @@ def _define_host(linker: cm.Linker) -> None:
     """Define the guest's stdio and clock capabilities, and shadow WASI clocks and random."""
     linker.allow_shadowing = True
     with linker.root() as root:
+        with root.add_instance("wasibox:sandbox/runner@0.1.0") as runner:
+            runner.add_func("start", _host(_start))
         with root.add_instance("wasibox:sandbox/stdio@0.1.0") as stdio:
             stdio.add_func("write", _host(_write))
         with root.add_instance("wasibox:sandbox/clock@0.1.0") as clock:
@@ -417,6 +441,7 @@ class WasmBackend(Backend):
 
     def __init__(self, runtime_: WasmRuntime | None = None) -> None:
         self._runtime = runtime_ or runtime()
+        self._compiler = _Compiler(self._runtime)
 
     @property
     def min_memory_bytes(self) -> int:
@@ -428,8 +453,12 @@ class WasmBackend(Backend):
             raise UsageError(
                 f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
                 f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
+        fields = job.request()
+        compiled = self._compiler.compile(job)
+        if compiled is not None:
+            fields["compiled"] = compiled
         try:
-            request = encode_request(job.request())
+            request = encode_request(fields)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         started = time.perf_counter()
@@ -471,6 +500,77 @@ class WasmBackend(Backend):
             memory_limit_bytes=job.limits.memory_bytes,
             duration_s=duration,
         )
+
+
+class _Compiler:
+    """Compiles programs for one WasmBackend (one Sandbox), and keeps what it compiled.
+
+    Compiling is most of a small run's work, and services, transforms and fuzzing run the
+    same source again and again. So the source is compiled in a separate, long-lived guest
+    instance, which compiles and never runs anything, and the marshalled code object is kept
+    by source text (least recently used out first). Every run then *loads* its program, the
+    same way whether the code was cached or not, so fuel and output stay deterministic.
+
+    Kept per Sandbox, so a program cannot learn from timing what another Sandbox ran. If
+    compiling fails (a SyntaxError, or a source too big for the limits) the result is not
+    kept and the run compiles the source itself, and reports the failure as it always would.
+    """
+
+    def __init__(self, runtime_: WasmRuntime) -> None:
+        self._runtime = runtime_
+        self._cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._instance: tuple[wasmtime.Store, Any] | None = None
+        self._compiles = 0
+        self._lock = threading.Lock()
+
+    def compile(self, job: Job) -> bytes | None:
+        """The marshalled code object of ``job.code``, or None if it does not compile."""
+        with self._lock:
+            compiled = self._cache.get(job.code)
+            if compiled is not None:
+                self._cache.move_to_end(job.code)
+                return compiled
+            compiled = self._compile(job)
+            if compiled is not None:
+                self._keep(job.code, compiled)
+            return compiled
+
+    def _compile(self, job: Job) -> bytes | None:
+        if self._instance is None or self._compiles >= COMPILER_RECYCLE_AFTER:
+            self._instance, self._compiles = self._runtime.take(), 0
+        store, execute = self._instance
+        self._compiles += 1
+        run = _Run(job, store)  # for its limits; compiling writes no output
+        request = encode_request({"op": "compile", "code": job.code, "seed": 0})
+        store.set_fuel(job.limits.fuel)
+        store.set_limits(memory_size=job.limits.memory_bytes)
+        outer = getattr(_current, "run", None)
+        with self._runtime.ticker:
+            store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
+            _current.run = run
+            try:
+                reply = decode_reply(execute(store, request), MAX_COMPILED_BYTES)
+            except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
+                self._instance = None  # an instance that trapped is never used again
+                return None
+            finally:
+                _current.run = outer
+        if reply.heap_top > COMPILER_HEAP_BYTES:
+            self._instance = None  # linear memory never shrinks: start afresh
+        if reply.error is not None or type(reply.value) is not bytes:
+            return None
+        return reply.value
+
+    def _keep(self, code: str, compiled: bytes) -> None:
+        cost = len(code) + len(compiled)
+        if cost > COMPILE_CACHE_BYTES:
+            return
+        self._cache[code] = compiled
+        self._cache_bytes += cost
+        while self._cache_bytes > COMPILE_CACHE_BYTES:
+            old_code, old_compiled = self._cache.popitem(last=False)
+            self._cache_bytes -= len(old_code) + len(old_compiled)
 
 
 def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
