@@ -69,7 +69,8 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
         app, wit = tree / "app", tree / "wit"
         app.mkdir()
         wit.mkdir()
-        shutil.copy2(HERE / "runner" / f"{RUNNER_MODULE}.py", app)
+        for module in sorted((HERE / "runner").glob("*.py")):
+            shutil.copy2(module, app)
         for contract in [*sorted((HERE / "wit").glob("*.wit")),
                          *sorted(CAPABILITIES.glob("*/*.wit"))]:
             shutil.copy2(contract, wit / contract.name)
@@ -114,7 +115,7 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
 
 
 def _source_files() -> list[Path]:
-    return [HERE / "build.py", HERE / "pin_entropy.c", HERE / "runner" / f"{RUNNER_MODULE}.py",
+    return [HERE / "build.py", HERE / "pin_entropy.c", *(HERE / "runner").glob("*.py"),
             *(HERE / "wit").glob("*.wit"), *CAPABILITIES.glob("*/*.wit")]
 
 

@@ -9,8 +9,9 @@ import pytest
 import wasibox
 
 EXPECTED = {
-    "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded", "Limits",
-    "RunResult", "Sandbox", "SandboxClosed", "UsageError", "WasiboxError", "guest_digest", "run",
+    "FileRecord", "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded",
+    "Limits", "Mount", "RefusedFile", "RunResult", "Sandbox", "SandboxClosed", "UsageError",
+    "WasiboxError", "guest_digest", "run",
 }
 
 

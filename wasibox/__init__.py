@@ -13,6 +13,7 @@ from ._errors import (
     UsageError,
     WasiboxError,
 )
+from ._files import FileRecord, Mount, RefusedFile
 from ._guest import guest_digest
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
@@ -20,12 +21,15 @@ from ._sandbox import Sandbox, run
 from ._version import __version__ as __version__
 
 __all__ = [
+    "FileRecord",
     "GuestBuildError",
     "GuestError",
     "GuestException",
     "Limit",
     "LimitExceeded",
     "Limits",
+    "Mount",
+    "RefusedFile",
     "RunResult",
     "Sandbox",
     "SandboxClosed",

@@ -63,12 +63,17 @@ class Limits:
     output_bytes: int = 2**20
     #: Cap on the size of submitted code, checked before any instance is made.
     source_bytes: int = 2**20
+    #: Files and directories one run may hold open on its mounts; past it, EMFILE.
+    open_files: int = 64
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "output_bytes", "source_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         if isinstance(self.fuel, bool) or not isinstance(self.fuel, int) or self.fuel <= 0:
             raise UsageError(f"fuel must be a positive int, not {self.fuel!r}")
+        files = self.open_files
+        if isinstance(files, bool) or not isinstance(files, int) or files <= 0:
+            raise UsageError(f"open_files must be a positive int, not {files!r}")
         timeout = self.timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                 or not math.isfinite(timeout) or timeout <= 0):

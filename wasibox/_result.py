@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._limits import Limit
 from ._wire import ProtocolError, decode_reply
+
+if TYPE_CHECKING:
+    from ._files import FileRecord, RefusedFile
 
 __all__ = ["GuestException", "Outcome", "RunResult", "build_result"]
 
@@ -41,6 +44,11 @@ class RunResult:
     backend: str
     #: The entry function's return value, for ``call``; None for ``run``.
     value: Any = None
+    #: Files the run wrote under writable mounts, as published (only when ``ok``).
+    files: list[FileRecord] = dataclasses.field(default_factory=list)
+    #: Entries of the run's staging that were not published (symlinks, FIFOs, devices,
+    #: hard links), with the reason; see wasibox.Mount.
+    files_refused: list[RefusedFile] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain JSON-compatible data (``value`` included as is)."""

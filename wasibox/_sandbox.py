@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
+from ._files import Mount, check_mounts, run_with_files
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
 from .backends.base import Backend, Job, Policy
@@ -27,7 +29,10 @@ class Sandbox:
     States: open from construction until ``close()`` (or the end of a ``with`` block);
     closed afterwards, when every method but ``close`` raises SandboxClosed.
 
-    Raises UsageError for an unknown backend, clock or entropy setting.
+    ``mounts`` grants host directories (see ``wasibox.Mount``); ``workspace`` is shorthand
+    for a writable mount at ``/workspace`` whose files persist from one run to the next.
+
+    Raises UsageError for an unknown backend, clock or entropy setting, or a bad mount.
     """
 
     def __init__(
@@ -38,6 +43,8 @@ class Sandbox:
         clock: Literal["virtual", "real"] = "virtual",
         entropy: Literal["seeded", "real"] = "seeded",
         backend: Literal["wasm"] | Backend = "wasm",
+        mounts: Sequence[Mount] = (),
+        workspace: str | os.PathLike[str] | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -47,8 +54,14 @@ class Sandbox:
             raise UsageError(f"entropy must be 'seeded' or 'real', not {entropy!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise UsageError(f"seed must be an int, not {seed!r}")
+        if isinstance(mounts, Mount | str) or not isinstance(mounts, Sequence):
+            raise UsageError("mounts must be a list of wasibox.Mount")
+        table = list(mounts)
+        if workspace is not None:
+            table.append(Mount(workspace, "/workspace", writable=True))
         self.limits = limits or Limits()
-        self.policy = Policy(seed=seed, clock=clock, entropy=entropy)
+        self.policy = Policy(seed=seed, clock=clock, entropy=entropy,
+                             mounts=check_mounts(table))
         self._backend = _make_backend(backend)
         self._closed = False
         self._lock = threading.Lock()
@@ -122,7 +135,8 @@ class Sandbox:
         return code
 
     def _execute(self, job: Job) -> RunResult:
-        return build_result(self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES)
+        return run_with_files(job, lambda job: build_result(
+            self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES))
 
 
 def unwrap(result: RunResult) -> Any:

@@ -25,6 +25,7 @@ import sys
 import traceback
 
 import msgpack
+import wasibox_files
 import wit_world
 from wit_world.imports import clock as _clock
 from wit_world.imports import entropy as _entropy
@@ -339,6 +340,9 @@ asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._close_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._write_to_self = lambda loop: None
 
+# Files exist only under the host's mounts (see wasibox_files.py).
+wasibox_files.install()
+
 # -- run time --------------------------------------------------------------------------------
 
 _SOURCE_NAME = "<sandbox>"
@@ -441,6 +445,12 @@ def _execute(request, streams):
     except BaseException as exc:
         error = _describe(exc)
         exit_code = 1
+    try:
+        wasibox_files.finish()  # flush what the program left open, before the host publishes
+    except BaseException as exc:
+        if error is None and exit_code == 0:
+            error = _describe(exc)
+            exit_code = 1
     for stream in streams:
         try:
             stream.flush()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._limits import Limits
 from .._result import Outcome
+
+if TYPE_CHECKING:
+    from .._files import FileSession, Mount
 
 __all__ = ["Backend", "Job", "Policy"]
 
@@ -25,6 +28,8 @@ class Policy:
     seed: int = 0
     clock: Literal["virtual", "real"] = "virtual"
     entropy: Literal["seeded", "real"] = "seeded"
+    #: Host directories the guest sees (wasibox.Mount); nothing else exists for it.
+    mounts: tuple[Mount, ...] = ()
 
     @property
     def deterministic(self) -> bool:
@@ -42,6 +47,9 @@ class Job:
     entry: str | None = None
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The run's view of ``policy.mounts`` (made by the Sandbox for each run, None without
+    #: mounts); a backend serves the guest's file operations from it.
+    files: FileSession | None = None
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""

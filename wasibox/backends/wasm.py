@@ -43,6 +43,7 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from .._errors import GuestBuildError, UsageError
+from .._files import FilesError, FileSession, StatInfo
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
@@ -265,6 +266,43 @@ def _subscribe(run: _Run, context: Any, ns: int) -> None:
     raise wasmtime.WasmtimeError("wasibox: blocking WASI poll refused")
 
 
+#: The files interface: (WIT name, FileSession method, whether the result is "tagged").
+#: wasmtime-py lowers a result as a bare value when its ok and err types have different
+#: Python classes, and as a Variant when they share one (string ok + enum err).
+_FILE_OPS = (
+    ("open", "open", False), ("read", "read", True), ("write", "write", False),
+    ("seek", "seek", False), ("truncate", "truncate", False), ("close", "close_fd", False),
+    ("fstat", "fstat", False), ("stat", "stat", False), ("readdir", "readdir", True),
+    ("mkdir", "mkdir", False), ("unlink", "unlink", False), ("rmdir", "rmdir", False),
+    ("rename", "rename", False), ("chmod", "chmod", False), ("utime", "utime", False),
+    ("link", "link", False), ("symlink", "symlink", False), ("readlink", "readlink", True),
+)
+_FD_OPS = frozenset({"read", "write", "seek", "truncate", "close_fd", "fstat"})
+
+
+def _file_op(method: str, tagged: bool) -> Any:
+    """A files host function: FilesError becomes the WIT error-code, never a trap."""
+
+    def op(run: _Run, context: Any, *args: Any) -> Any:
+        session: FileSession | None = run.job.files
+        try:
+            if session is None:  # no mounts: nothing exists
+                raise FilesError("badf" if method in _FD_OPS else "noent")
+            value = getattr(session, method)(*args)
+        except FilesError as exc:
+            return cm.Variant("err", exc.code) if tagged else exc.code
+        except OSError:  # the host's own disk failed under the operation
+            return cm.Variant("err", "io") if tagged else "io"
+        if isinstance(value, StatInfo):
+            record = cm.Record()
+            for field in StatInfo.__slots__:
+                setattr(record, field, getattr(value, field))
+            value = record
+        return cm.Variant("ok", value) if tagged else value
+
+    return op
+
+
 def _define_host(linker: cm.Linker) -> None:
     """Define the guest's stdio and clock capabilities, and shadow WASI clocks and random."""
     linker.allow_shadowing = True
@@ -280,6 +318,9 @@ def _define_host(linker: cm.Linker) -> None:
         with root.add_instance("wasibox:sandbox/entropy@0.1.0") as entropy:
             entropy.add_func("random-bytes", _host(
                 lambda run, ctx, size: run.random_bytes(size).decode("latin-1")))
+        with root.add_instance("wasibox:sandbox/files@0.1.0") as files:
+            for name, method, tagged in _FILE_OPS:
+                files.add_func(name, _host(_file_op(method, tagged)))
         with root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as monotonic:
             monotonic.add_func("now", _host(lambda run, ctx: run.monotonic_ns(ctx)))
             monotonic.add_func("resolution", _host(lambda run, ctx: 1))
