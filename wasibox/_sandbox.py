@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
+from ._hostcall import check_functions
+from ._http import HttpPolicy
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
 from .backends.base import Backend, Job, Policy
@@ -27,7 +29,13 @@ class Sandbox:
     States: open from construction until ``close()`` (or the end of a ``with`` block);
     closed afterwards, when every method but ``close`` raises SandboxClosed.
 
-    Raises UsageError for an unknown backend, clock or entropy setting.
+    ``functions`` grants host functions by name (``import host; host.lookup(42)`` in the
+    guest), and ``http`` grants mediated HTTP under an ``HttpPolicy``; both are off by
+    default, and every decision they make is in ``RunResult.capability_log``.
+
+    Raises UsageError for an unknown backend, clock or entropy setting, a host function name
+    that is not an identifier or a value that is not callable, or an ``http`` that is not an
+    ``HttpPolicy``.
     """
 
     def __init__(
@@ -38,6 +46,8 @@ class Sandbox:
         clock: Literal["virtual", "real"] = "virtual",
         entropy: Literal["seeded", "real"] = "seeded",
         backend: Literal["wasm"] | Backend = "wasm",
+        http: HttpPolicy | None = None,
+        functions: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -47,8 +57,11 @@ class Sandbox:
             raise UsageError(f"entropy must be 'seeded' or 'real', not {entropy!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise UsageError(f"seed must be an int, not {seed!r}")
+        if http is not None and not isinstance(http, HttpPolicy):
+            raise UsageError(f"http must be a wasibox.HttpPolicy, not {type(http).__name__}")
         self.limits = limits or Limits()
-        self.policy = Policy(seed=seed, clock=clock, entropy=entropy)
+        self.policy = Policy(seed=seed, clock=clock, entropy=entropy,
+                             functions=check_functions(functions), http=http)
         self._backend = _make_backend(backend)
         self._closed = False
         self._lock = threading.Lock()
