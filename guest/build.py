@@ -69,8 +69,9 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
         app, wit = tree / "app", tree / "wit"
         app.mkdir()
         wit.mkdir()
-        for module in sorted((HERE / "runner").glob("*.py")):
-            shutil.copy2(module, app)
+        # The runner and the guest-side modules beside it (such as the `host` package).
+        shutil.copytree(HERE / "runner", app, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
         for contract in [*sorted((HERE / "wit").glob("*.wit")),
                          *sorted(CAPABILITIES.glob("*/*.wit"))]:
             shutil.copy2(contract, wit / contract.name)
@@ -115,7 +116,7 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
 
 
 def _source_files() -> list[Path]:
-    return [HERE / "build.py", HERE / "pin_entropy.c", *(HERE / "runner").glob("*.py"),
+    return [HERE / "build.py", HERE / "pin_entropy.c", *(HERE / "runner").rglob("*.py"),
             *(HERE / "wit").glob("*.wit"), *CAPABILITIES.glob("*/*.wit")]
 
 

@@ -9,8 +9,9 @@ import pytest
 import wasibox
 
 EXPECTED = {
-    "FileRecord", "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded",
-    "Limits", "Mount", "RefusedFile", "RunResult", "Sandbox", "SandboxClosed", "UsageError",
+    "CapabilityEvent", "FileRecord", "GuestBuildError", "GuestError", "GuestException",
+    "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile", "RunResult",
+    "Sandbox", "SandboxClosed", "UsageError",
     "WasiboxError", "guest_digest", "run",
 }
 
@@ -39,7 +40,8 @@ def test_no_wasmtime_type_in_public_signatures() -> None:
 
 def test_limit_is_a_str_enum() -> None:
     assert wasibox.Limit.FUEL == "fuel"
-    assert {limit.value for limit in wasibox.Limit} == {"fuel", "timeout", "memory", "output"}
+    assert {limit.value for limit in wasibox.Limit} == {"fuel", "timeout", "memory", "output",
+                                                     "host_calls"}
 
 
 def test_limits_normalise_shorthand_once() -> None:

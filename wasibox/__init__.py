@@ -13,18 +13,22 @@ from ._errors import (
     UsageError,
     WasiboxError,
 )
+from ._events import CapabilityEvent
 from ._files import FileRecord, Mount, RefusedFile
 from ._guest import guest_digest
+from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
 from ._version import __version__ as __version__
 
 __all__ = [
+    "CapabilityEvent",
     "FileRecord",
     "GuestBuildError",
     "GuestError",
     "GuestException",
+    "HttpPolicy",
     "Limit",
     "LimitExceeded",
     "Limits",

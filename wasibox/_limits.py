@@ -19,6 +19,7 @@ class Limit(enum.StrEnum):
     TIMEOUT = "timeout"  #: wall-clock time, including time spent sleeping
     MEMORY = "memory"  #: the guest's linear memory
     OUTPUT = "output"  #: bytes written to stdout and stderr together
+    HOST_CALLS = "host_calls"  #: calls to host functions (and HTTP): their number and bytes
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -65,15 +66,22 @@ class Limits:
     source_bytes: int = 2**20
     #: Files and directories one run may hold open on its mounts; past it, EMFILE.
     open_files: int = 64
+    #: Calls the guest may make to host functions and HTTP in one run.
+    host_calls: int = 10_000
+    #: Cap on one host call's payload, each way (arguments in, result out), checked from its
+    #: length before it is decoded.
+    host_call_bytes: int = 16 * 2**20
+    #: Cap on all host calls' payloads in one run, both ways together.
+    host_total_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "output_bytes", "source_bytes"):
+        for name in ("memory_bytes", "output_bytes", "source_bytes", "host_call_bytes",
+                     "host_total_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
-        if isinstance(self.fuel, bool) or not isinstance(self.fuel, int) or self.fuel <= 0:
-            raise UsageError(f"fuel must be a positive int, not {self.fuel!r}")
-        files = self.open_files
-        if isinstance(files, bool) or not isinstance(files, int) or files <= 0:
-            raise UsageError(f"open_files must be a positive int, not {files!r}")
+        for name in ("fuel", "host_calls", "open_files"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UsageError(f"{name} must be a positive int, not {value!r}")
         timeout = self.timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                 or not math.isfinite(timeout) or timeout <= 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ._events import CapabilityEvent
 from ._limits import Limit
 from ._wire import ProtocolError, decode_reply
 
@@ -49,6 +50,8 @@ class RunResult:
     #: Entries of the run's staging that were not published (symlinks, FIFOs, devices,
     #: hard links), with the reason; see wasibox.Mount.
     files_refused: list[RefusedFile] = dataclasses.field(default_factory=list)
+    #: Every decision a capability made during the run (host calls, HTTP), in order.
+    capability_log: tuple[CapabilityEvent, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain JSON-compatible data (``value`` included as is)."""
@@ -79,6 +82,8 @@ class Outcome:
     memory_peak_bytes: int = 0
     memory_limit_bytes: int = 0
     duration_s: float = 0.0
+    #: Every decision a capability made during the run, in order.
+    capability_log: tuple[CapabilityEvent, ...] = ()
 
 
 def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
@@ -122,4 +127,5 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
         duration_s=outcome.duration_s,
         backend=backend,
         value=value,
+        capability_log=outcome.capability_log,
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
 from ._files import Mount, check_mounts, run_with_files
+from ._hostcall import check_functions
+from ._http import HttpPolicy
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
 from .backends.base import Backend, Job, Policy
@@ -31,8 +33,13 @@ class Sandbox:
 
     ``mounts`` grants host directories (see ``wasibox.Mount``); ``workspace`` is shorthand
     for a writable mount at ``/workspace`` whose files persist from one run to the next.
+    ``functions`` grants host functions by name (``import host; host.lookup(42)`` in the
+    guest), and ``http`` grants mediated HTTP under an ``HttpPolicy``; both are off by
+    default, and every decision they make is in ``RunResult.capability_log``.
 
-    Raises UsageError for an unknown backend, clock or entropy setting, or a bad mount.
+    Raises UsageError for an unknown backend, clock or entropy setting, a bad mount, a host
+    function name that is not an identifier or a value that is not callable, or an ``http``
+    that is not an ``HttpPolicy``.
     """
 
     def __init__(
@@ -45,6 +52,8 @@ class Sandbox:
         backend: Literal["wasm"] | Backend = "wasm",
         mounts: Sequence[Mount] = (),
         workspace: str | os.PathLike[str] | None = None,
+        http: HttpPolicy | None = None,
+        functions: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -59,9 +68,12 @@ class Sandbox:
         table = list(mounts)
         if workspace is not None:
             table.append(Mount(workspace, "/workspace", writable=True))
+        if http is not None and not isinstance(http, HttpPolicy):
+            raise UsageError(f"http must be a wasibox.HttpPolicy, not {type(http).__name__}")
         self.limits = limits or Limits()
         self.policy = Policy(seed=seed, clock=clock, entropy=entropy,
-                             mounts=check_mounts(table))
+                             mounts=check_mounts(table),
+                             functions=check_functions(functions), http=http)
         self._backend = _make_backend(backend)
         self._closed = False
         self._lock = threading.Lock()

@@ -33,6 +33,11 @@ from wit_world.imports import process as _process
 from wit_world.imports import runner as _runner
 from wit_world.imports import stdio as _stdio
 
+# The guest's `import host`: host functions and mediated HTTP (guest/runner/host/). Installing
+# its urllib handler now means urlopen goes through the host in every run.
+import host
+host.http.install()
+
 # -- build time: the standard library -------------------------------------------------------
 
 # Imported now so they cost nothing at run time: the common data-processing modules.

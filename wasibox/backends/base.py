@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._http import HttpPolicy
 from .._limits import Limits
 from .._result import Outcome
 
@@ -23,6 +25,9 @@ class Policy:
     the fuel the guest burns and the time it sleeps; ``"real"`` grants the host's clocks.
     ``entropy="seeded"`` serves wasi:random from a stream seeded by ``seed``; ``"real"``
     grants the host's OS entropy.
+    ``functions`` are the host functions the guest may call by name, and ``http`` the policy
+    of its mediated HTTP client (None: no HTTP); every backend carries both over its own
+    channel to the same host-side code (``wasibox/_hostcall.py``, ``wasibox/_http.py``).
     """
 
     seed: int = 0
@@ -30,6 +35,9 @@ class Policy:
     entropy: Literal["seeded", "real"] = "seeded"
     #: Host directories the guest sees (wasibox.Mount); nothing else exists for it.
     mounts: tuple[Mount, ...] = ()
+    functions: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict,
+                                                                    compare=False)
+    http: HttpPolicy | None = None
 
     @property
     def deterministic(self) -> bool:

@@ -18,7 +18,9 @@ This is the only module that imports ``wasmtime``. It owns:
 * the host side of what every guest gets: its bounded output, its clocks and its entropy.
   ``wasi:clocks/*`` and ``wasi:random/random`` are defined here in full, shadowing
   wasmtime's own, so a guest sees only the virtual clock and seeded entropy unless the
-  policy grants the real ones, and so no WASI call can block past the deadline.
+  policy grants the real ones, and so no WASI call can block past the deadline;
+* the wiring of the host-call channel (host functions and mediated HTTP). Its checks and
+  policy live in ``wasibox/_hostcall.py`` and ``wasibox/_http.py``, shared by every backend.
 
 Wasmtime's own errors are converted to wasibox results in one place, ``_classify``.
 """
@@ -43,8 +45,11 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from .._errors import GuestBuildError, UsageError
+from .._events import CapabilityEvent
 from .._files import FilesError, FileSession, StatInfo
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
+from .._hostcall import HostCalls, StopRun
+from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
@@ -96,7 +101,7 @@ class _Run:
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
-                 "fault", "exit_code", "started")
+                 "fault", "exit_code", "started", "log", "host_calls")
 
     def __init__(self, job: Job, store: wasmtime.Store) -> None:
         self.job = job
@@ -115,6 +120,9 @@ class _Run:
         self.started = False
         policy = job.policy
         self.rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+        #: The run's capability log, shared by every capability.
+        self.log: list[CapabilityEvent] = []
+        self.host_calls: HostCalls | None = None
 
     # -- output ---------------------------------------------------------------------------
     def append(self, fd: int, data: bytes) -> bool:
@@ -181,6 +189,21 @@ class _Run:
 
     def random_u64(self) -> int:
         return self.rng.getrandbits(64) if self.rng else int.from_bytes(os.urandom(8), "little")
+
+    # -- host functions and HTTP ---------------------------------------------------------
+    def host_call(self, name: str, payload: str) -> cm.Variant:
+        """One call through the host channel (capabilities/host/host.wit)."""
+        if self.host_calls is None:
+            policy = self.job.policy
+            self.host_calls = HostCalls(
+                functions=policy.functions, limits=self.job.limits,
+                http=HttpGate(policy.http) if policy.http is not None else None,
+                cancel=self.cancel, log=self.log)
+        try:
+            reply = self.host_calls.handle(name, payload, self.deadline)
+        except StopRun as stop:
+            self.stop(stop.limit)
+        return cm.Variant("ok" if reply.ok else "err", reply.payload)
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, limit: Limit) -> None:
@@ -321,6 +344,9 @@ def _define_host(linker: cm.Linker) -> None:
         with root.add_instance("wasibox:sandbox/files@0.1.0") as files:
             for name, method, tagged in _FILE_OPS:
                 files.add_func(name, _host(_file_op(method, tagged)))
+        with root.add_instance("wasibox:sandbox/host@0.1.0") as host:
+            host.add_func("call", _host(lambda run, ctx, name, payload:
+                                        run.host_call(name, payload)))
         with root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as monotonic:
             monotonic.add_func("now", _host(lambda run, ctx: run.monotonic_ns(ctx)))
             monotonic.add_func("resolution", _host(lambda run, ctx: 1))
@@ -540,6 +566,7 @@ class WasmBackend(Backend):
             memory_peak_bytes=rt.min_memory_bytes,
             memory_limit_bytes=job.limits.memory_bytes,
             duration_s=duration,
+            capability_log=tuple(run.log),
         )
 
 
