@@ -48,6 +48,7 @@ from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
 from .._wire import encode_request
+from ._stack import call_with_stack
 from .base import Backend, Job, Policy
 
 __all__ = ["WasmBackend", "WasmRuntime", "runtime"]
@@ -58,6 +59,9 @@ EPOCH_TICK_S = 0.01
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
 MAX_WASM_STACK = 1 << 20
+#: The native stack a run needs: the guest's share, plus room for the host frames around it.
+#: A thread with less runs its guests on a helper thread (see _stack.py).
+MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
 #: Engine settings: part of the compiled-guest cache key, and asserted by tests.
 ENGINE_SETTINGS: dict[str, Any] = {
     "strategy": "cranelift",
@@ -72,6 +76,14 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "wasm_exceptions": False,
     "wasm_memory64": False,
     "wasm_stack_switching": False,
+    # Not wrapped by wasmtime-py's Config (set through its C bindings, see _engine_config);
+    # the component-model async ABI is on by default in wasmtime 50 and the guest needs none
+    # of it, nor the GC runtime.
+    "wasm_component_model_async": False,
+    "wasm_component_model_async_stackful": False,
+    "wasm_component_model_more_async_builtins": False,
+    "concurrency_support": False,
+    "gc_support": False,
 }
 _INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
 #: What every instance runs before it serves a run: the paths a typical run takes (compile,
@@ -445,13 +457,11 @@ class WasmBackend(Backend):
         with rt.ticker:
             store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
             run.deadline = time.monotonic() + job.limits.timeout_s
-            _current.run = run
             try:
-                reply = execute(store, request)
+                reply = call_with_stack(lambda: _call_guest(run, execute, request),
+                                        MIN_HOST_STACK)
             except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
                 exit_code = _classify(run, store, exc)
-            finally:
-                _current.run = None
         duration = time.perf_counter() - started
         try:
             fuel_used = job.limits.fuel - store.get_fuel()
@@ -471,6 +481,16 @@ class WasmBackend(Backend):
             memory_limit_bytes=job.limits.memory_bytes,
             duration_s=duration,
         )
+
+
+def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
+    """Call the guest's ``execute`` on this thread, with ``run`` as its host state."""
+    _current.run = run
+    try:
+        reply: str | None = execute(run.store, request)
+        return reply
+    finally:
+        _current.run = None
 
 
 def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
@@ -518,7 +538,10 @@ def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
 def _engine_config() -> wasmtime.Config:
     config = wasmtime.Config()
     for name, value in ENGINE_SETTINGS.items():
-        setattr(config, name, value)
+        if hasattr(wasmtime.Config, name):
+            setattr(config, name, value)
+        else:
+            getattr(ffi, f"wasmtime_config_{name}_set")(config.ptr(), value)
     config.parallel_compilation = True
     return config
 
