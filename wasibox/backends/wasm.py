@@ -62,6 +62,10 @@ MAX_WASM_STACK = 1 << 20
 #: The native stack a run needs: the guest's share, plus room for the host frames around it.
 #: A thread with less runs its guests on a helper thread (see _stack.py).
 MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
+#: The largest entropy request served in one host call. The guest runner asks for 1 MiB at
+#: a time; a bigger request is a guest calling the import itself, and would make the host
+#: allocate (and the host's lowering copy, several times) up to the guest's memory cap.
+MAX_ENTROPY_CALL_BYTES = 1 << 20
 #: Engine settings: part of the compiled-guest cache key, and asserted by tests.
 ENGINE_SETTINGS: dict[str, Any] = {
     "strategy": "cranelift",
@@ -179,6 +183,11 @@ class _Run:
         if size > self.job.limits.memory_bytes:
             # More than the guest could hold: refuse before the host allocates it.
             self.stop(Limit.MEMORY)
+        if size > MAX_ENTROPY_CALL_BYTES:
+            self.fault = GuestException(
+                type="OSError", traceback="",
+                message=f"an entropy request is limited to {MAX_ENTROPY_CALL_BYTES} bytes")
+            raise wasmtime.WasmtimeError("wasibox: oversized entropy request refused")
         return self.rng.randbytes(size) if self.rng else os.urandom(size)
 
     def random_u64(self) -> int:
