@@ -41,8 +41,10 @@ def test_request_rejects_values_msgpack_cannot_carry() -> None:
 
 @pytest.mark.parametrize("text, problem", [
     ("not json", "not valid JSON"),
-    ("[1, 2]", "not a map"),
-    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+    ("[1, 2]", "nests deeper"),  # refused before parsing: a reply has no arrays
+    ("[" * 100_000 + "]" * 100_000, "nests deeper"),
+    ('"[" 1', "not valid JSON"),
+    ("1", "not a map"),
     (reply(exit_code=256), "exit_code"),
     (reply(exit_code="0"), "exit_code"),
     (reply(error={"type": "X"}), "malformed error"),

@@ -10,10 +10,11 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from ._errors import WasiboxError
 from ._limits import Limits
+from ._terminal import inert
 from ._version import __version__
 
 __all__ = ["main"]
@@ -132,18 +133,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default, indent=2))
     else:
-        sys.stdout.write(result.stdout)
+        _relay(sys.stdout, result.stdout)
         sys.stdout.flush()
-        sys.stderr.write(result.stderr)
+        _relay(sys.stderr, result.stderr)
         if result.error is not None:
-            sys.stderr.write(result.error.traceback
-                             or f"{result.error.type}: {result.error.message}\n")
+            _relay(sys.stderr, result.error.traceback
+                   or f"{result.error.type}: {result.error.message}\n")
     if result.limit_exceeded is not None:
         if not args.json:
             print(f"wasibox: the run exceeded its {result.limit_exceeded.value} limit",
                   file=sys.stderr)
         return EXIT_LIMIT
     return result.exit_code
+
+
+def _relay(stream: TextIO, guest_text: str) -> None:
+    """Write guest text; to a terminal only with its control sequences made inert."""
+    stream.write(inert(guest_text) if stream.isatty() else guest_text)
 
 
 def _json_default(value: Any) -> Any:

@@ -105,8 +105,11 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
             if reply.error is not None:
                 error = GuestException(**reply.error)
             memory_peak = max(memory_peak, min(reply.heap_top, outcome.memory_limit_bytes))
-            if reply.memory_error and error is not None and error.type == "MemoryError":
+            if (reply.memory_error and error is not None and error.type == "MemoryError"
+                    and not error.message):
                 # The allocation that failed was the one that would have crossed the cap.
+                # (An allocator failure raises a bare MemoryError; one with a message, such
+                # as the parser's "too complex to parse", is a guest error, not the cap.)
                 limit = Limit.MEMORY
                 memory_peak = max(memory_peak, outcome.memory_limit_bytes)
     if limit is Limit.MEMORY:

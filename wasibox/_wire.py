@@ -37,6 +37,7 @@ import binascii
 import dataclasses
 import json
 import marshal
+import re
 from typing import Any
 
 import msgpack
@@ -62,6 +63,9 @@ class Reply:
     heap_top: int
 
 
+#: A JSON string literal, escapes included (unrolled, so it runs in linear time).
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
 #: The marshal format version requests use: every CPython since 3.4 reads it.
 MARSHAL_VERSION = 4
 
@@ -85,6 +89,13 @@ def decode_reply(text: str, max_bytes: int) -> Reply:
     """Decode and check the guest's reply; raises ProtocolError when it breaks the contract."""
     if len(text) > (max_bytes * 4) // 3 + 4096:
         raise ProtocolError(f"the guest's reply is larger than {max_bytes} bytes")
+    # A reply is flat: at most two objects ({..., "error": {...}}) and no arrays. Checked
+    # before parsing, because json.loads recurses in C once per level, up to the host's
+    # recursion limit: a forged '[' * 10**6 crashed a host that had raised that limit.
+    if "[" in text or text.count("{") > 2:  # else trivially flat; strings are slower to skip
+        structure = _JSON_STRING.sub("", text)
+        if "[" in structure or structure.count("{") > 2:
+            raise ProtocolError("the guest's reply nests deeper than a reply can")
     try:
         message = json.loads(text)
     except (ValueError, RecursionError) as exc:

@@ -54,6 +54,7 @@ from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request
+from ._stack import call_with_stack
 from .base import Backend, Job, Policy
 
 __all__ = ["WasmBackend", "WasmRuntime", "runtime"]
@@ -64,6 +65,13 @@ EPOCH_TICK_S = 0.01
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
 MAX_WASM_STACK = 1 << 20
+#: The native stack a run needs: the guest's share, plus room for the host frames around it.
+#: A thread with less runs its guests on a helper thread (see _stack.py).
+MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
+#: The largest entropy request served in one host call. The guest runner asks for 1 MiB at
+#: a time; a bigger request is a guest calling the import itself, and would make the host
+#: allocate (and the host's lowering copy, several times) up to the guest's memory cap.
+MAX_ENTROPY_CALL_BYTES = 1 << 20
 #: Engine settings: part of the compiled-guest cache key, and asserted by tests.
 ENGINE_SETTINGS: dict[str, Any] = {
     "strategy": "cranelift",
@@ -78,6 +86,14 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "wasm_exceptions": False,
     "wasm_memory64": False,
     "wasm_stack_switching": False,
+    # Not wrapped by wasmtime-py's Config (set through its C bindings, see _engine_config);
+    # the component-model async ABI is on by default in wasmtime 50 and the guest needs none
+    # of it, nor the GC runtime.
+    "wasm_component_model_async": False,
+    "wasm_component_model_async_stackful": False,
+    "wasm_component_model_more_async_builtins": False,
+    "concurrency_support": False,
+    "gc_support": False,
 }
 _INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
 #: Compiled programs kept per WasmBackend (so per Sandbox): source plus marshalled code.
@@ -185,6 +201,11 @@ class _Run:
         if size > self.job.limits.memory_bytes:
             # More than the guest could hold: refuse before the host allocates it.
             self.stop(Limit.MEMORY)
+        if size > MAX_ENTROPY_CALL_BYTES:
+            self.fault = GuestException(
+                type="OSError", traceback="",
+                message=f"an entropy request is limited to {MAX_ENTROPY_CALL_BYTES} bytes")
+            raise wasmtime.WasmtimeError("wasibox: oversized entropy request refused")
         return self.rng.randbytes(size) if self.rng else os.urandom(size)
 
     def random_u64(self) -> int:
@@ -480,12 +501,8 @@ class WasmRuntime:
 
 def _prime(store: wasmtime.Store, execute: Any) -> None:
     """Run ``PRIMING_JOB`` in a new instance; its output and reply are dropped."""
-    outer = getattr(_current, "run", None)
-    _current.run = _Run(PRIMING_JOB, store)
-    try:
-        execute(store, _PRIMING_REQUEST)
-    finally:
-        _current.run = outer
+    run = _Run(PRIMING_JOB, store)
+    call_with_stack(lambda: _call_guest(run, execute, _PRIMING_REQUEST), MIN_HOST_STACK)
 
 
 _runtime: WasmRuntime | None = None
@@ -541,13 +558,11 @@ class WasmBackend(Backend):
         with rt.ticker:
             store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
             run.deadline = time.monotonic() + job.limits.timeout_s
-            _current.run = run
             try:
-                reply = execute(store, request)
+                reply = call_with_stack(lambda: _call_guest(run, execute, request),
+                                        MIN_HOST_STACK)
             except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
                 exit_code = _classify(run, store, exc)
-            finally:
-                _current.run = None
         duration = time.perf_counter() - started
         try:
             fuel_used = job.limits.fuel - store.get_fuel()
@@ -613,17 +628,16 @@ class _Compiler:
         request = encode_request({"op": "compile", "code": job.code, "seed": 0})
         store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
-        outer = getattr(_current, "run", None)
         with self._runtime.ticker:
             store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
-            _current.run = run
             try:
-                reply = decode_reply(execute(store, request), MAX_COMPILED_BYTES)
+                # Compiling a hostile source recurses too: the same stack rule as a run.
+                text = call_with_stack(lambda: _call_guest(run, execute, request),
+                                       MIN_HOST_STACK)
+                reply = decode_reply(text or "", MAX_COMPILED_BYTES)
             except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
                 self._instance = None  # an instance that trapped is never used again
                 return None
-            finally:
-                _current.run = outer
         if reply.heap_top > COMPILER_HEAP_BYTES:
             self._instance = None  # linear memory never shrinks: start afresh
         if reply.error is not None or type(reply.value) is not bytes:
@@ -639,6 +653,14 @@ class _Compiler:
         while self._cache_bytes > COMPILE_CACHE_BYTES:
             old_code, old_compiled = self._cache.popitem(last=False)
             self._cache_bytes -= len(old_code) + len(old_compiled)
+def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
+    """Call the guest's ``execute`` on this thread, with ``run`` as its host state."""
+    _current.run = run
+    try:
+        reply: str | None = execute(run.store, request)
+        return reply
+    finally:
+        _current.run = None
 
 
 def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
@@ -686,7 +708,10 @@ def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
 def _engine_config() -> wasmtime.Config:
     config = wasmtime.Config()
     for name, value in ENGINE_SETTINGS.items():
-        setattr(config, name, value)
+        if hasattr(wasmtime.Config, name):
+            setattr(config, name, value)
+        else:
+            getattr(ffi, f"wasmtime_config_{name}_set")(config.ptr(), value)
     config.parallel_compilation = True
     return config
 

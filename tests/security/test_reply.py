@@ -1,0 +1,101 @@
+"""Forged replies: the guest replaces the runner's reply encoder with its own bytes.
+
+The guest shares an interpreter with the runner, so the reply that says how its code ended
+is attacker-controlled. Every malformed, oversized, deep or lying reply must become one
+clean ``ProtocolError`` in the result, never a host exception, crash or hang.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+import wasibox
+from tests.conftest import PYTHON, child_env
+from tests.security.conftest import HostBaseline, run_in_child_host
+
+FORGE = "import sys\nsys.modules['wasibox_guest']._encode = lambda *fields: {reply}\n"
+GOOD = '{"exit_code":0,"memory_error":false,"heap_top":0'
+
+
+def _value(raw: bytes) -> str:
+    """A reply whose ``value`` carries these raw msgpack bytes."""
+    return GOOD + ',"value":"' + base64.b64encode(raw).decode() + '"}'
+
+
+FORGED = {
+    "not JSON": repr("garbage"),
+    "JSON array bomb": "'[' * 10**6",
+    "JSON object bomb": "'{\"a\":' * 10**6",
+    "brackets behind an unterminated string": "'\"' + '[' * 10**6",
+    "not a map": repr("1"),
+    "exit code out of range": repr('{"exit_code":300,"memory_error":false,"heap_top":0}'),
+    "exit code of the wrong type": repr('{"exit_code":"0","memory_error":false,"heap_top":0}'),
+    "exit code with 100,000 digits": "'{\"exit_code\":' + '9' * 10**5 + '}'",
+    "malformed error": repr(GOOD + ',"error":{"type":1,"message":"m","traceback":""}}'),
+    "value not base64": repr(GOOD + ',"value":"!!!"}'),
+    "array32 claiming 4 G elements": repr(_value(b"\xdd\xff\xff\xff\xff")),
+    "str32 claiming 4 GB": repr(_value(b"\xdb\xff\xff\xff\xff")),
+    "map32 claiming 4 G pairs": repr(_value(b"\xdf\xff\xff\xff\xff")),
+    "bin32 claiming 4 GB": repr(_value(b"\xc6\xff\xff\xff\xff")),
+    "msgpack depth bomb": repr(_value(b"\x91" * 100_000 + b"\xc0")),
+    "value deeper than the wire allows": repr(_value(b"\x91" * 40 + b"\xc0")),
+    "unhashable map key": repr(_value(b"\x81\x90\x01")),
+    "truncated msgpack": repr(_value(b"\x93\x01")),
+}
+
+
+@pytest.fixture(scope="module")
+def sb() -> Iterator[wasibox.Sandbox]:
+    with wasibox.Sandbox(wasibox.Limits(fuel=800_000_000, timeout_s=10)) as sandbox:
+        yield sandbox
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_a_forged_reply_is_one_clean_protocol_error(sb: wasibox.Sandbox, host: HostBaseline,
+                                                    name: str) -> None:
+    r = sb.run(FORGE.format(reply=FORGED[name]))
+    assert r.error is not None and r.error.type == "ProtocolError", (name, r)
+    assert not r.ok and r.value is None
+    host.assert_unaffected(sb)
+
+
+def test_a_reply_over_the_size_limit_is_refused_before_it_is_parsed() -> None:
+    size = wasibox._sandbox.REPLY_LIMIT_BYTES * 4 // 3 + 8192
+    report = run_in_child_host(FORGE.format(reply=f"'x' * {size}"),
+                               memory_bytes="512MiB", timeout_s=20)
+    assert report["error"] == "ProtocolError" and report["next_ok"]
+    # Lifting the string out of the guest costs the host a few copies of it (see
+    # test_exhaustion.py); parsing it would cost more, and does not happen.
+    assert report["peak_growth_bytes"] < 8 * size  # type: ignore[operator]
+
+
+_RAISED_LIMIT_HOST = textwrap.dedent("""
+    import sys, threading, wasibox
+    forged = sys.argv[1]
+    sandbox = wasibox.Sandbox()
+    sys.setrecursionlimit(10**6)  # an embedder that needs deep recursion of its own
+    print(sandbox.run(forged).error.type)
+    sys.setrecursionlimit(1000)
+    threading.stack_size(64 * 1024)  # and one that serves runs from small threads
+    results = []
+    worker = threading.Thread(target=lambda: results.append(sandbox.run(forged)))
+    worker.start()
+    worker.join()
+    print(results[0].error.type)
+""")
+
+
+def test_a_json_bomb_reply_cannot_crash_a_host_with_a_raised_recursion_limit() -> None:
+    # Regression: json.loads recursed once per '[' up to the host's recursion limit; with
+    # sys.setrecursionlimit(10**6) in the host, or on a 64 KiB thread, a forged reply of
+    # '[' * 10**6 killed the host with SIGSEGV.
+    done = subprocess.run([PYTHON, "-c", _RAISED_LIMIT_HOST,
+                           FORGE.format(reply=FORGED["JSON array bomb"])],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ProtocolError", "ProtocolError"]
