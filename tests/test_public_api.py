@@ -11,6 +11,7 @@ import wasibox
 EXPECTED = {
     "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded", "Limits",
     "RunResult", "Sandbox", "SandboxClosed", "UsageError", "WasiboxError", "guest_digest", "run",
+    "Failed", "Transform", "TransformProgress", "TransformSpec",
 }
 
 

@@ -17,9 +17,11 @@ from ._guest import guest_digest
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
+from ._transform import Failed, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 
 __all__ = [
+    "Failed",
     "GuestBuildError",
     "GuestError",
     "GuestException",
@@ -29,6 +31,9 @@ __all__ = [
     "RunResult",
     "Sandbox",
     "SandboxClosed",
+    "Transform",
+    "TransformProgress",
+    "TransformSpec",
     "UsageError",
     "WasiboxError",
     "guest_digest",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
 from ._limits import Limits
-from ._result import GuestException, RunResult, build_result
+from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
 __all__ = ["Sandbox", "run"]
@@ -120,6 +120,17 @@ class Sandbox:
             raise UsageError(f"the code is {size} bytes, over the source_bytes limit of "
                              f"{self.limits.source_bytes}; raise Limits.source_bytes to allow it")
         return code
+
+    def _execute_batch(self, code: str, entry: str, records: bytes,
+                       star: bool = False) -> Outcome:
+        """Call ``entry`` on each marshalled record in one fresh instance (wasibox.Transform).
+
+        Returns what the backend observed; the reply is decoded by wasibox/_batch.py.
+        """
+        code = self._check_source(code)
+        return self._backend.execute(Job(op="batch", code=code, limits=self.limits,
+                                         policy=self.policy, entry=entry, records=records,
+                                         star=star))
 
     def _execute(self, job: Job) -> RunResult:
         return build_result(self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES)

@@ -35,13 +35,17 @@ class Policy:
 class Job:
     """One unit of work for a backend: run ``code``, then maybe call ``entry``."""
 
-    op: Literal["run", "call"]
+    op: Literal["run", "call", "batch"]
     code: str
     limits: Limits
     policy: Policy
     entry: str | None = None
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: For ``op="batch"`` (wasibox.Transform): the records, marshalled (see wasibox/_wire.py).
+    records: bytes = b""
+    #: For ``op="batch"``: each record is a tuple of positional arguments.
+    star: bool = False
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""
@@ -54,6 +58,7 @@ class Job:
             # With seeded entropy the random module starts from the seed; with real entropy
             # it reseeds itself from the host's OS entropy.
             "seed": self.policy.seed if self.policy.entropy == "seeded" else None,
+            **({"records": self.records, "star": self.star} if self.op == "batch" else {}),
         }
 
 
