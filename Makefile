@@ -28,6 +28,8 @@ lint: $(VENV)/.installed
 
 bench: prepare
 	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/transform.py
+	$(BIN)/python bench/fuzz.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

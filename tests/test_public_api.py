@@ -9,10 +9,10 @@ import pytest
 import wasibox
 
 EXPECTED = {
-    "CapabilityEvent", "FileRecord", "GuestBuildError", "GuestError", "GuestException",
-    "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile", "RunResult",
-    "Sandbox", "SandboxClosed", "UsageError",
-    "WasiboxError", "guest_digest", "run",
+    "CapabilityEvent", "Failed", "FileRecord", "GuestBuildError", "GuestError",
+    "GuestException", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile",
+    "RunResult", "Sandbox", "SandboxClosed", "Transform", "TransformProgress", "TransformSpec",
+    "UsageError", "WasiboxError", "guest_digest", "run",
 }
 
 

@@ -20,10 +20,12 @@ from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
+from ._transform import Failed, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 
 __all__ = [
     "CapabilityEvent",
+    "Failed",
     "FileRecord",
     "GuestBuildError",
     "GuestError",
@@ -37,6 +39,9 @@ __all__ = [
     "RunResult",
     "Sandbox",
     "SandboxClosed",
+    "Transform",
+    "TransformProgress",
+    "TransformSpec",
     "UsageError",
     "WasiboxError",
     "guest_digest",

@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Report the Python, wasmtime and componentize-py versions, the guest "
                     "digest and cache state, and KVM availability. Never builds anything.")
     doctor.set_defaults(handler=_cmd_doctor)
+
+    from ._cli_data import add_commands  # transform and fuzz
+
+    add_commands(commands, _limits_arguments)
     return parser
 
 

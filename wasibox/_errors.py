@@ -53,8 +53,11 @@ class GuestError(WasiboxError):
     """Guest code raised an exception, or exited with a non-zero status.
 
     ``type``, ``message`` and ``traceback`` describe the guest's exception as the guest saw
-    it; the traceback never contains host frames or host paths.
+    it; the traceback never contains host frames or host paths. ``index`` is the record's
+    index when the error comes from one record of a ``wasibox.Transform``, else None.
     """
+
+    index: int | None = None
 
     def __init__(self, exception: GuestException, result: RunResult | None = None) -> None:
         self.exception = exception
@@ -67,7 +70,12 @@ class GuestError(WasiboxError):
 
 
 class LimitExceeded(WasiboxError):
-    """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept."""
+    """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept.
+
+    ``index`` is the record's index when one record of a ``wasibox.Transform`` hit it.
+    """
+
+    index: int | None = None
 
     def __init__(self, limit: Limit, result: RunResult | None = None) -> None:
         self.limit = limit

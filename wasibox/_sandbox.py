@@ -12,7 +12,7 @@ from ._files import Mount, check_mounts, run_with_files
 from ._hostcall import check_functions
 from ._http import HttpPolicy
 from ._limits import Limits
-from ._result import GuestException, RunResult, build_result
+from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
 __all__ = ["Sandbox", "run"]
@@ -145,6 +145,17 @@ class Sandbox:
             raise UsageError(f"the code is {size} bytes, over the source_bytes limit of "
                              f"{self.limits.source_bytes}; raise Limits.source_bytes to allow it")
         return code
+
+    def _execute_batch(self, code: str, entry: str, records: bytes,
+                       star: bool = False) -> Outcome:
+        """Call ``entry`` on each marshalled record in one fresh instance (wasibox.Transform).
+
+        Returns what the backend observed; the reply is decoded by wasibox/_batch.py.
+        """
+        code = self._check_source(code)
+        return self._backend.execute(Job(op="batch", code=code, limits=self.limits,
+                                         policy=self.policy, entry=entry, records=records,
+                                         star=star))
 
     def _execute(self, job: Job) -> RunResult:
         return run_with_files(job, lambda job: build_result(

@@ -26,6 +26,31 @@ comes from the host::
     {"exit_code": int, "error": None | {"type": str, "message": str, "traceback": str},
      "value": absent | None | base64 msgpack, "memory_error": bool, "heap_top": int}
 
+**Batches** (``op="batch"``, used by ``wasibox.Transform`` and ``wasibox.testing``) call
+``entry`` once per record, all in one instance. The request is the same marshalled map, with
+the records marshalled on their own with version 2 of the format, which has no
+back-references or interning flags, so equal records always give the same bytes (and so the
+same fuel)::
+
+    {"op": "batch", "code": str, "entry": str, "seed": int | None,
+     "records": bytes,   # marshal(list of records, 2); records are plain data, tuples kept
+     "star": bool}       # each record is a tuple of positional arguments
+
+The batch reply is JSON, written by the runner's ``_execute_batch`` and checked on the host by
+``wasibox/_batch.py`` (the host never unmarshals guest bytes)::
+
+    {"error": None | exception,       # the code itself failed: every record fails with it
+     "memory_error": bool, "count": int,
+     "errors": [[position, exception], ...],   # records that raised, by position in the batch
+     "values": {"columns": [column, ...], "keys": [str, ...]}      # dicts with equal str keys
+             | {"json": [value, ...], "packed": {position: base64(msgpack(value))}}
+             | None}
+
+A column is ``"q" + base64(little-endian int64s)``, ``"d" + base64(float64s)``, or a JSON
+list of scalars; columns hold the records that did not fail, in order. ``json`` holds one
+value per record (``null`` for failed and packed ones); a value goes there only if JSON
+round-trips it exactly, otherwise it is packed with msgpack (bytes, tuples, non-str keys).
+
 The reply is checked by hand rather than with pydantic: importing pydantic costs more than
 the whole cold start budget of a run (measured 80-190 ms), and the shape is small.
 """

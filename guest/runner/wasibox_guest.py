@@ -20,6 +20,7 @@ import io
 import json
 import linecache
 import marshal
+import operator
 import os
 import sys
 import traceback
@@ -423,6 +424,8 @@ def _execute(request, streams):
     seed = job.get("seed")
     if seed != _SNAPSHOT_SEED:
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
+    if job.get("op") == "batch":
+        return _execute_batch(job, streams)
     code = job["code"]
     linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
@@ -506,6 +509,133 @@ def _compile_only(code):
 
 # The warm-up swaps in a stand-in: there is no host at build time.
 _start = _runner.start
+# -- run time: batches of records (wasibox.Transform) ----------------------------------------
+#
+# The records arrive marshalled (the host is trusted; marshal is CPython's fastest built-in
+# codec). The reply is JSON, which the host can decode safely; a batch of dicts with the same
+# keys and scalar values travels as columns, numbers as raw little-endian arrays. Shapes:
+# wasibox/_wire.py.
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_JSON = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
+_JSON_LOADS = json.loads
+_B64 = base64.b64encode
+_PACK = struct.pack
+_ITEM = operator.itemgetter
+
+
+def _execute_batch(job, streams):
+    """Call the entry function once per record of a batch, in this one instance."""
+    code = job["code"]
+    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    values = []
+    errors = []
+    error = None
+    memory_error = False
+    try:
+        exec(_program(code, job.get("compiled")), namespace)
+        function = namespace.get(job["entry"])
+        if not callable(function):
+            raise NameError(f"the code defines no callable named {job['entry']!r}")
+    except BaseException as exc:  # the code itself failed: every record fails the same way
+        memory_error = isinstance(exc, MemoryError)
+        error = _describe(exc)
+    else:
+        records = iter(marshal.loads(job["records"]))
+        if job.get("star"):  # each record is a tuple of positional arguments
+            function = functools.partial(_star, function)
+        while True:
+            try:
+                # map() runs the loop in C; a record that raises ends this extend, and the
+                # next pass resumes with the record after it.
+                values.extend(map(function, records))
+                break
+            except BaseException as exc:
+                memory_error = memory_error or isinstance(exc, MemoryError)
+                errors.append([len(values), _describe(exc)])
+                values.append(None)
+    for stream in streams:
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    _restore_builtins()
+    header = {"error": error, "memory_error": memory_error, "count": len(values)}
+    body = _encode_values(values, errors) if error is None else "null"
+    header["errors"] = errors
+    return _JSON(header)[:-1] + ',"values":' + body + "}"
+
+
+def _star(function, arguments):
+    return function(*arguments)
+
+
+def _encode_values(values, errors):
+    """JSON for the batch's values; adds a record that cannot cross to ``errors``."""
+    failed = {position for position, _ in errors}
+    ok = [v for i, v in enumerate(values) if i not in failed] if failed else values
+    try:
+        columns = _columns(ok)
+    except (TypeError, ValueError, OverflowError):
+        columns = None
+    if columns is not None:
+        return _JSON({"columns": columns[0], "keys": columns[1]})
+    try:
+        text = _JSON(values)
+        exact = _JSON_LOADS(text) == values
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        exact = False
+    if exact:
+        return '{"json":' + text + "}"
+    # Some value does not survive JSON exactly (a bytes, a tuple, a non-str key, ...): send
+    # each such value with msgpack instead, and fail the records no format can carry.
+    plain, packed = [], {}
+    for position, value in enumerate(values):
+        try:
+            if position not in failed:
+                text = _JSON(value)
+                if _JSON_LOADS(text) == value:
+                    plain.append(value)
+                    continue
+        except (TypeError, ValueError, OverflowError, RecursionError):
+            pass
+        plain.append(None)
+        if position in failed:
+            continue
+        try:
+            packed[str(position)] = _B64(msgpack.packb(value, use_bin_type=True)).decode()
+        except BaseException as exc:
+            errors.append([position, {
+                "type": "TypeError", "traceback": "",
+                "message": f"the return value is not JSON- or msgpack-compatible: {exc}"}])
+    return _JSON({"json": plain, "packed": packed})
+
+
+def _columns(ok):
+    """Dicts with the same str keys and scalar values, as one column per key; else None."""
+    if not ok or set(map(type, ok)) != {dict}:
+        return None
+    keys = tuple(ok[0])
+    if set(map(type, keys)) - {str} or len(set(map(tuple, ok))) != 1:
+        return None
+    columns = []
+    for key in keys:
+        column = list(map(_ITEM(key), ok))
+        kinds = set(map(type, column))
+        if kinds == {int} or kinds == {float}:
+            code = "q" if int in kinds else "d"
+            try:
+                data = _PACK(f"<{len(column)}{code}", *column)
+            except struct.error:  # an int outside int64
+                columns.append(column)
+            else:
+                columns.append(code + _B64(data).decode())
+        elif kinds <= _SCALARS:
+            columns.append(column)
+        else:
+            return None
+    return columns, list(keys)
 
 
 def _exit_status(code):
@@ -555,9 +685,19 @@ def _warm_up():
     for job in jobs[:]:
         jobs.append(dict(job, compiled=_compile_only(job["code"])))
         jobs.append({"op": "compile", "code": job["code"], "seed": 0})
+    batches = [
+        {"code": "def t(r):\n    return {'id': r['id'], 'total': r['price'] * r['qty']}",
+         "entry": "t", "seed": 0,
+         "records": [{"id": i, "price": 1.5, "qty": i} for i in range(64)] + [{}]},
+        {"code": "def t(r):\n    return [r, str(r), b'x'] if r else (r, {1: r})",
+         "entry": "t", "seed": 0, "records": list(range(8))},
+    ]
     for _ in range(8):
         for job in jobs:
             _execute(binascii.b2a_base64(marshal.dumps(job, 4)).decode("ascii"), scratch)
+        for batch in batches:
+            batch = dict(batch, op="batch", records=marshal.dumps(batch["records"], 2))
+            _execute(binascii.b2a_base64(marshal.dumps(batch, 4)).decode("ascii"), scratch)
     sys.stdout, sys.stderr = saved
     _start = real_start
     linecache.cache.pop(_SOURCE_NAME, None)

@@ -48,7 +48,7 @@ class Policy:
 class Job:
     """One unit of work for a backend: run ``code``, then maybe call ``entry``."""
 
-    op: Literal["run", "call"]
+    op: Literal["run", "call", "batch"]
     code: str
     limits: Limits
     policy: Policy
@@ -58,6 +58,10 @@ class Job:
     #: The run's view of ``policy.mounts`` (made by the Sandbox for each run, None without
     #: mounts); a backend serves the guest's file operations from it.
     files: FileSession | None = None
+    #: For ``op="batch"`` (wasibox.Transform): the records, marshalled (see wasibox/_wire.py).
+    records: bytes = b""
+    #: For ``op="batch"``: each record is a tuple of positional arguments.
+    star: bool = False
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""
@@ -70,6 +74,7 @@ class Job:
             # With seeded entropy the random module starts from the seed; with real entropy
             # it reseeds itself from the host's OS entropy.
             "seed": self.policy.seed if self.policy.entropy == "seeded" else None,
+            **({"records": self.records, "star": self.star} if self.op == "batch" else {}),
         }
 
 

@@ -1,0 +1,208 @@
+"""wasibox.testing: guest functions, strategies from annotations, fuzzing, the pytest plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wasibox
+import wasibox.testing as wt
+
+from .conftest import PYTHON, child_env
+
+#: Planted bug: crashes when the input has a NUL right after a digit.
+NUL_AFTER_DIGIT = textwrap.dedent("""\
+    def parse(s: str) -> int:
+        for a, b in zip(s, s[1:]):
+            if a.isdigit() and b == "\\x00":
+                raise ValueError("NUL after a digit")
+        return len(s)
+""")
+
+#: Planted quadratic path: every "(" rescans the text before it.
+QUADRATIC = textwrap.dedent("""\
+    def nesting(s: str) -> int:
+        deepest = 0
+        for i, c in enumerate(s):
+            if c == "(":
+                depth = 0
+                for d in s[:i]:
+                    if d == "(":
+                        depth += 1
+                    elif d == ")":
+                        depth -= 1
+                deepest = max(deepest, depth + 1)
+        return deepest
+""")
+#: The costliest example the fuzzer finds must burn this many times the cheapest one's fuel.
+QUADRATIC_FUEL_RATIO = 5.0
+
+READS_THE_CLOCK = textwrap.dedent("""\
+    import time
+
+    def stamp(x: int) -> float:
+        return time.time() + x
+""")
+
+
+def test_guest_function_call_run_and_errors() -> None:
+    code = "def div(a: int, b: int) -> float:\n    return a / b\n"
+    div = wt.guest_function(code, "div")
+    assert div(7, 2) == 3.5
+    result = div.run(1, 0)
+    assert not result.ok and result.error is not None
+    assert result.error.type == "ZeroDivisionError" and result.fuel_used > 0
+    with pytest.raises(wasibox.GuestError) as info:
+        div(1, 0)
+    assert info.value.type == "ZeroDivisionError"
+    spin = wt.guest_function("def spin():\n    while True:\n        pass\n", "spin",
+                             limits=wasibox.Limits(fuel=20_000_000))
+    assert spin.run().limit_exceeded == wasibox.Limit.FUEL
+    with pytest.raises(wasibox.LimitExceeded):
+        spin()
+
+
+def test_guest_function_runs_each_call_in_a_fresh_instance() -> None:
+    code = "seen = []\ndef f(x):\n    seen.append(x)\n    return len(seen)\n"
+    f = wt.guest_function(code, "f")
+    assert [f(1), f(2), f(3)] == [1, 1, 1]
+
+
+def test_strategies_come_from_annotations_without_running_the_code() -> None:
+    # Module-level code that would fail (or worse) if the host executed it.
+    code = textwrap.dedent("""\
+        import os
+        os._exit(3)
+        from typing import Optional
+        def f(a: int, b: "list[str]", c: dict[str, float], d: Optional[bytes],
+              e: tuple[int, str], g: bool | None, h, i: Literal["x", "y"] = "x"):
+            return None
+    """)
+    f = wt.guest_function(code, "f")
+    assert [name for name, _ in f.parameters] == ["a", "b", "c", "d", "e", "g", "h", "i"]
+
+    @settings(wt.settings_profiles()["wasibox"], max_examples=30, database=None)
+    @given(f.strategy())
+    def check(args: tuple[object, ...]) -> None:
+        a, b, c, d, e, g, _h, i = args
+        assert type(a) is int and all(type(x) is str for x in b)  # type: ignore[attr-defined]
+        assert all(type(k) is str and type(v) is float for k, v in c.items())  # type: ignore[attr-defined]
+        assert d is None or type(d) is bytes
+        assert type(e) is tuple and len(e) == 2
+        assert g is None or type(g) is bool
+        assert i in ("x", "y")
+
+    check()
+
+
+def test_unknown_annotations_are_usage_errors_unless_overridden() -> None:
+    code = "def f(p: Point) -> int:\n    return 0\n"
+    with pytest.raises(wasibox.UsageError, match="'p'.*Point"):
+        wt.guest_function(code, "f").strategy()
+    f = wt.guest_function(code, "f", strategies={"p": st.just([1, 2])})
+
+    @settings(max_examples=3, database=None)
+    @given(f.strategy())
+    def check(args: tuple[object, ...]) -> None:
+        assert args == ([1, 2],)
+
+    check()
+    with pytest.raises(wasibox.UsageError, match="no top-level function"):
+        wt.guest_function(code, "g")
+
+
+def test_fuzz_finds_and_shrinks_the_planted_bug() -> None:
+    report = wt.fuzz(NUL_AFTER_DIGIT, "parse", max_examples=60, seed=0)
+    assert not report.ok
+    [failure] = report.failures
+    assert failure.kind == "exception" and "NUL after a digit" in failure.message
+    assert failure.example == ("0\x00",)
+    # The replay line reruns the example and shows the same failure.
+    env = child_env()  # `python` on PATH is this interpreter, as in the user's shell
+    env["PATH"] = os.pathsep.join([os.path.dirname(PYTHON), env.get("PATH", "")])
+    replay = subprocess.run(["bash", "-c", failure.replay], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert "NUL after a digit" in replay.stdout
+
+
+def test_fuzz_reports_a_clean_function_as_ok() -> None:
+    report = wt.fuzz("def inc(x: int) -> int:\n    return x + 1\n", "inc", max_examples=15)
+    assert report.ok and report.examples == 15
+    assert report.fuel_ratio < 1.5  # constant work: every example costs about the same
+    assert "no failures" in str(report)
+
+
+def test_fuel_target_finds_the_planted_quadratic_path() -> None:
+    report = wt.fuzz(QUADRATIC, "nesting", max_examples=40, check_determinism=False)
+    assert report.ok
+    assert report.fuel_ratio >= QUADRATIC_FUEL_RATIO, str(report)
+    assert report.max_fuel_example is not None and "(" in report.max_fuel_example[0]
+
+
+def test_fuzz_reports_a_real_clock_as_nondeterministic() -> None:
+    report = wt.fuzz(READS_THE_CLOCK, "stamp", max_examples=5, clock="real")
+    kinds = {failure.kind for failure in report.failures}
+    assert "nondeterministic" in kinds
+    failure = next(f for f in report.failures if f.kind == "nondeterministic")
+    assert "value" in failure.message and failure.example == (0,)
+    virtual = wt.fuzz(READS_THE_CLOCK, "stamp", max_examples=5)
+    assert virtual.ok
+
+
+def test_fuzz_cli_reports_and_replays(tmp_path: Path) -> None:
+    guest = tmp_path / "parser.py"
+    guest.write_text(NUL_AFTER_DIGIT)
+    found = subprocess.run([PYTHON, "-m", "wasibox", "fuzz", str(guest), "--entry", "parse",
+                            "--max-examples", "60"], capture_output=True, text=True,
+                           env=child_env(), timeout=300)
+    assert found.returncode == 1, found.stderr
+    assert "NUL after a digit" in found.stdout and "'0\\x00'" in found.stdout
+    replay_line = next(line for line in found.stdout.splitlines() if "replay:" in line)
+    assert "--replay" in replay_line and str(guest) in replay_line
+    replayed = subprocess.run([PYTHON, "-m", "wasibox", "fuzz", str(guest), "--entry", "parse",
+                               "--replay", "('0\\x00',)"], capture_output=True, text=True,
+                              env=child_env(), timeout=120)
+    assert replayed.returncode == 1 and '"ValueError"' in replayed.stdout
+    fine = subprocess.run([PYTHON, "-m", "wasibox", "fuzz", str(guest), "--entry", "parse",
+                           "--replay", "('abc',)"], capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert fine.returncode == 0 and '"value": 3' in fine.stdout
+
+
+PLUGIN_TEST = """
+import hypothesis
+
+def test_fixture(wasibox_sandbox):
+    assert wasibox_sandbox.run("print(6 * 7)").stdout == "42\\n"
+
+import pytest
+@pytest.mark.wasibox(clock="real")
+def test_marker(wasibox_sandbox):
+    assert wasibox_sandbox.policy.clock == "real"
+
+def test_profiles():
+    for name in ("wasibox", "wasibox-quick", "wasibox-ci"):
+        assert hypothesis.settings.get_profile(name).deadline is None
+"""
+
+
+def test_pytest_plugin_fixture_and_profiles(tmp_path: Path) -> None:
+    (tmp_path / "test_uses_plugin.py").write_text(PLUGIN_TEST)
+    result = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "wasibox.pytest_plugin",
+                             "-p", "no:cacheprovider", str(tmp_path)],
+                            capture_output=True, text=True, env=child_env(), timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+def test_plugin_is_declared_as_a_pytest11_entry_point() -> None:
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert '[project.entry-points.pytest11]\n' in pyproject
+    assert 'wasibox = "wasibox.pytest_plugin"' in pyproject

@@ -1,0 +1,252 @@
+"""wasibox.Transform: outputs, batching, determinism, error policies, limits."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import textwrap
+
+import pytest
+
+import wasibox
+
+from .conftest import PYTHON, child_env
+
+TOTAL = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
+
+FLAKY = textwrap.dedent("""\
+    def transform(r):
+        if r == 3:
+            raise ValueError(f"bad record {r}")
+        if r == 5:
+            while True:
+                pass
+        return r * 10
+""")
+
+
+def orders(n: int) -> list[dict[str, object]]:
+    return [{"id": i, "price": 1.25 + i % 7, "qty": i % 5} for i in range(n)]
+
+
+def expected(records: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [{"id": r["id"], "total": r["price"] * r["qty"]} for r in records]  # type: ignore[operator]
+
+
+def test_call_runs_one_record() -> None:
+    with wasibox.Transform(TOTAL) as t:
+        assert t({"id": 7, "price": 2.5, "qty": 4}) == {"id": 7, "total": 10.0}
+
+
+def test_map_matches_host_python_for_every_batch_size() -> None:
+    records = orders(250)
+    with wasibox.Transform(TOTAL) as t:
+        for size in (1, 7, 100, 1000):
+            if size == 1:
+                assert t.map(records[:20], batch_size=1, progress=False) == expected(records[:20])
+            else:
+                assert t.map(records, batch_size=size, progress=False) == expected(records)
+
+
+def test_values_keep_their_types() -> None:
+    code = textwrap.dedent("""\
+        def transform(r):
+            return r
+    """)
+    records = [
+        {"a": 1, "b": 2.5, "c": "x", "d": None, "e": True},
+        {"a": 2**60, "b": float("inf"), "c": "\\ud800", "d": [1, [2, {"k": b"v"}]], "e": False},
+        [1, "two", 3.0], b"\x00\xff", (1, 2), {1: "int key"}, 2**70, -0.0, None,
+    ]
+    with wasibox.Transform(code) as t:
+        out = t.map(records, progress=False)
+    assert out[0] == records[0] and [type(v) for v in out[0].values()] == \
+        [int, float, str, type(None), bool]
+    assert out[1] == records[1]
+    assert out[2] == [1, "two", 3.0] and type(out[2][2]) is float
+    assert out[3] == b"\x00\xff"
+    assert out[4] == [1, 2]  # tuples leave as lists, as with Sandbox.call
+    assert out[5] == {1: "int key"}
+    assert out[6:8] == [2**70, -0.0] and str(out[7]) == "-0.0"  # JSON carries big ints
+    assert out[8] is None
+
+
+def test_homogeneous_dicts_with_failures_stay_aligned() -> None:
+    code = textwrap.dedent("""\
+        def transform(r):
+            if r % 4 == 1:
+                raise KeyError(r)
+            return {"n": r, "half": r / 2, "s": str(r), "big": r * 2**62}
+    """)
+    with wasibox.Transform(code, on_error="collect") as t:
+        out = t.map(range(12), batch_size=12, progress=False)
+    for i, item in enumerate(out):
+        if i % 4 == 1:
+            assert isinstance(item, wasibox.Failed) and item.index == i
+        else:
+            assert item == {"n": i, "half": i / 2, "s": str(i), "big": i * 2**62}
+
+
+def test_on_error_raise_names_the_global_index() -> None:
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000)) as t:
+        with pytest.raises(wasibox.GuestError, match="record 103") as info:
+            t.map(range(4), start=100, progress=False)  # record 3 -> index 103
+        assert info.value.index == 103
+        with pytest.raises(wasibox.GuestError) as info:
+            t.map(range(10), progress=False)
+        assert info.value.index == 3 and info.value.type == "ValueError"
+        assert "bad record 3" in info.value.message
+
+
+def test_on_error_skip_drops_failed_records() -> None:
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
+                           on_error="skip") as t:
+        assert t.map(range(8), batch_size=8, progress=False) == [0, 10, 20, 40, 60, 70]
+
+
+def test_on_error_collect_puts_failed_in_place() -> None:
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
+                           on_error="collect") as t:
+        out = t.map(range(8), batch_size=8, progress=False)
+        batches = t.batches_run
+    assert [v for v in out if not isinstance(v, wasibox.Failed)] == [0, 10, 20, 40, 60, 70]
+    guest, limit = out[3], out[5]
+    assert isinstance(guest, wasibox.Failed) and guest.index == 3
+    assert isinstance(guest.error, wasibox.GuestError) and guest.error.type == "ValueError"
+    assert isinstance(limit, wasibox.Failed) and limit.index == 5
+    assert isinstance(limit.error, wasibox.LimitExceeded)
+    assert limit.error.limit == wasibox.Limit.FUEL and limit.error.index == 5
+    assert limit.to_dict()["limit"] == "fuel"
+    # The batch that ran out of fuel was split and re-run: 8 -> 4+4 -> 2+2 -> 1+1.
+    assert batches == 7
+
+
+def test_a_limit_in_one_record_does_not_change_the_others() -> None:
+    code = textwrap.dedent("""\
+        def transform(r):
+            if r == 2:
+                print("x" * 10_000)
+            return r + 1
+    """)
+    limits = wasibox.Limits(output_bytes=1000)
+    with wasibox.Transform(code, limits=limits, on_error="collect") as t:
+        for size in (1, 3, 6):
+            out = t.map(range(6), batch_size=size, progress=False)
+            assert [v for i, v in enumerate(out) if i != 2] == [1, 2, 4, 5, 6]
+            assert isinstance(out[2], wasibox.Failed)
+            assert out[2].error.limit == wasibox.Limit.OUTPUT  # type: ignore[union-attr]
+
+
+def test_memory_error_in_a_batch_is_judged_per_record() -> None:
+    code = textwrap.dedent("""\
+        def transform(r):
+            if r == 1:
+                return len(bytearray(10**9))
+            return r
+    """)
+    with wasibox.Transform(code, on_error="collect") as t:
+        out = t.map(range(4), batch_size=4, progress=False)
+    assert out[0] == 0 and out[2:] == [2, 3]
+    assert isinstance(out[1], wasibox.Failed)
+    assert out[1].error.limit == wasibox.Limit.MEMORY  # type: ignore[union-attr]
+
+
+def test_code_that_fails_to_load_fails_every_record() -> None:
+    with wasibox.Transform("raise RuntimeError('no')", on_error="collect") as t:
+        out = t.map(range(3), progress=False)
+    assert [f.index for f in out] == [0, 1, 2]
+    assert all(f.error.type == "RuntimeError" for f in out)
+    with wasibox.Transform("x = 1", on_error="collect") as t:
+        assert t.map([1], progress=False)[0].error.type == "NameError"
+
+
+def test_imap_streams_with_bounded_batches() -> None:
+    pulled: list[int] = []
+
+    def source():  # type: ignore[no-untyped-def]
+        for i in range(50):
+            pulled.append(i)
+            yield i
+
+    with wasibox.Transform("def transform(r):\n    return -r\n") as t:
+        stream = t.imap(source(), batch_size=10, progress=False)
+        assert next(stream) == 0
+        assert len(pulled) == 10  # only the first batch has been read
+        assert list(stream) == [-i for i in range(1, 50)]
+
+
+def test_progress_callback_sees_every_batch() -> None:
+    seen: list[wasibox.TransformProgress] = []
+    with wasibox.Transform("def transform(r):\n    return r\n") as t:
+        t.map(range(25), batch_size=10, progress=seen.append)
+    assert [p.done for p in seen] == [10, 20, 25]
+    assert all(p.total == 25 and p.fuel_used > 0 for p in seen)
+    assert seen[-1].records_per_s > 0
+
+
+def test_fingerprint_is_stable_across_batch_sizes_and_sensitive_to_outputs() -> None:
+    records = orders(60)
+    with wasibox.Transform(TOTAL) as t:
+        a = t.fingerprint(records, batch_size=60)
+        b = t.fingerprint(records, batch_size=7)
+    with wasibox.Transform(TOTAL.replace("* r[\"qty\"]", "* r[\"qty\"] + 1")) as other:
+        c = other.fingerprint(records)
+    assert a == b and a.startswith("sha256:")
+    assert a != c
+
+
+DETERMINISM_CHILD = f"""
+import json, wasibox
+code = {TOTAL!r} + "import random\\n_r = random.random()\\n"
+records = [{{"id": i, "price": 1.25 + i % 7, "qty": i % 5}} for i in range(300)]
+t = wasibox.Transform(code)
+out = t.map(records, batch_size=100, progress=False)
+print(json.dumps({{"fingerprint": t.fingerprint(records, batch_size=100),
+                   "fuel": t.fuel_used, "first": out[:3]}}))
+"""
+
+
+def test_map_is_deterministic_across_processes() -> None:
+    runs = [subprocess.run([PYTHON, "-c", DETERMINISM_CHILD], capture_output=True, text=True,
+                           env=child_env(), check=True, timeout=300) for _ in range(2)]
+    first, second = (json.loads(r.stdout.splitlines()[-1]) for r in runs)
+    assert first == second
+    assert first["fuel"] > 0
+
+
+def test_fuel_is_deterministic_for_a_batch_size() -> None:
+    records = orders(200)
+    fuels = []
+    for _ in range(2):
+        with wasibox.Transform(TOTAL) as t:
+            t.map(records, batch_size=50, progress=False)
+            fuels.append(t.fuel_used)
+    assert fuels[0] == fuels[1]
+    with wasibox.Transform(TOTAL) as t:
+        t.map(records, batch_size=200, progress=False)
+        assert t.fuel_used < fuels[0]  # fewer batches, less fixed cost
+
+
+def test_spec_is_plain_data_and_a_transform_pickles() -> None:
+    t = wasibox.Transform(TOTAL, limits=wasibox.Limits(fuel=10**8), seed=3, batch_size=5)
+    data = t.spec.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert wasibox.TransformSpec.from_dict(data) == t.spec
+    clone = pickle.loads(pickle.dumps(t))
+    assert clone.spec == t.spec
+    assert clone({"id": 1, "price": 2.0, "qty": 2}) == {"id": 1, "total": 4.0}
+
+
+def test_bad_arguments_are_usage_errors() -> None:
+    with pytest.raises(wasibox.UsageError, match="entry"):
+        wasibox.Transform(TOTAL, entry="not a name")
+    with pytest.raises(wasibox.UsageError, match="on_error"):
+        wasibox.Transform(TOTAL, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(wasibox.UsageError, match="batch_size"):
+        wasibox.Transform(TOTAL, batch_size=0)
+    with pytest.raises(wasibox.UsageError, match="option"):
+        wasibox.Transform(TOTAL, no_such_option=1)
+    with wasibox.Transform(TOTAL) as t:
+        with pytest.raises(wasibox.UsageError, match="record 1 is not plain data"):
+            t.map([{"id": 1}, object()], progress=False)

@@ -1,0 +1,426 @@
+"""``Transform``: run an untrusted function over many records, fast and deterministically.
+
+How a map runs:
+
+* Records go to the guest in **batches**: one request and one reply per batch (see the batch
+  shapes in ``wasibox/_wire.py``), and every record of a batch is handled by the same fresh
+  instance. Separate batches, and separate ``t(record)`` calls, never share an instance.
+* **Limits apply to a batch as a whole.** A batch that exceeds one (fuel, time, memory,
+  output), or whose instance traps, is split in two and each half re-runs in a fresh
+  instance, down to single records: a record fails with ``LimitExceeded`` only if it exceeds
+  the limit on its own. Splitting is deterministic, so the outputs never depend on the batch
+  size. Records that re-run call host functions again: with ``functions=``, a host function
+  may see the same record more than once, so make it idempotent (or use ``batch_size=1``).
+* **Determinism.** The same code, records, seed and batch size give the same outputs and the
+  same fuel in every process with the same guest digest. Outputs do not depend on the batch
+  size as long as the function does not carry state from one record to the next (globals,
+  ``random`` without a per-record seed, the virtual clock, which advances with the fuel
+  burnt). Fuel does: each batch pays a fixed cost (a fresh instance, loading the code, the
+  reply), so ``fuel_used = batches * fixed + sum(per-record fuel)``, plus the fuel of any
+  batch that was split and re-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import msgpack
+
+from ._batch import decode_batch_reply, encode_records
+from ._errors import GuestError, LimitExceeded, UsageError
+from ._limits import Limit, Limits
+from ._result import GuestException, Outcome, RunResult, build_result
+from ._sandbox import Sandbox
+from ._wire import ProtocolError
+from .backends.base import Backend
+
+__all__ = ["Failed", "Transform", "TransformProgress", "TransformSpec"]
+
+OnError = Literal["raise", "skip", "collect"]
+#: The largest batch reply accepted, in characters.
+BATCH_REPLY_LIMIT = 256 * 2**20
+DEFAULT_BATCH_SIZE = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """A record that failed, in place of its output (``on_error="collect"``).
+
+    ``index`` is the record's index in the whole input (plus ``start``); ``error`` is the
+    GuestError or LimitExceeded that ``on_error="raise"`` would have raised.
+    """
+
+    index: int
+    error: GuestError | LimitExceeded
+
+    def to_dict(self) -> dict[str, Any]:
+        """The failure as plain data."""
+        error = self.error
+        if isinstance(error, LimitExceeded):
+            return {"index": self.index, "type": "LimitExceeded", "limit": error.limit.value,
+                    "message": str(error)}
+        return {"index": self.index, "type": error.type, "message": error.message}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformProgress:
+    """How far a map has got; passed to the ``progress`` callback after every batch."""
+
+    done: int
+    total: int | None
+    failed: int
+    fuel_used: int
+    elapsed_s: float
+
+    @property
+    def records_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformSpec:
+    """A transform's policy as plain data: what to run, under which limits and grants.
+
+    Everything a worker process needs to rebuild the same ``Transform`` (host functions
+    excepted: they are code on the host, passed by reference when pickled).
+    """
+
+    code: str
+    entry: str = "transform"
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    seed: int = 0
+    clock: Literal["virtual", "real"] = "virtual"
+    entropy: Literal["seeded", "real"] = "seeded"
+    on_error: OnError = "raise"
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible data; ``TransformSpec.from_dict`` reads it back."""
+        data = dataclasses.asdict(self)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformSpec:
+        """Rebuild a spec from ``to_dict`` output; raises UsageError for bad fields."""
+        try:
+            fields = dict(data)
+            fields["limits"] = Limits(**fields.get("limits", {}))
+            return cls(**fields)
+        except TypeError as exc:
+            raise UsageError(f"not a transform spec: {exc}") from None
+
+
+ProgressCallback = Callable[[TransformProgress], None]
+
+
+class Transform:
+    """An untrusted function applied to records, each batch in a fresh sandbox.
+
+    ``code`` defines ``entry``, a function of one record. Records and return values are
+    plain data: None, bool, int, float, str, bytes, and lists, tuples and dicts of them
+    (tuples arrive as tuples and leave as lists). ``functions=``, ``http=`` and any other
+    keyword are passed to the Sandbox each batch runs in.
+
+    ``on_error`` says what a failed record becomes: ``"raise"`` raises its GuestError or
+    LimitExceeded (with ``.index``), ``"skip"`` drops it, ``"collect"`` puts a
+    ``wasibox.Failed(index, error)`` in its place.
+
+    Raises UsageError for a bad entry name, policy, batch size or sandbox option.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        entry: str = "transform",
+        *,
+        limits: Limits | None = None,
+        seed: int = 0,
+        clock: Literal["virtual", "real"] = "virtual",
+        entropy: Literal["seeded", "real"] = "seeded",
+        on_error: OnError = "raise",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        backend: Literal["wasm"] | Backend = "wasm",
+        functions: Any = None,
+        http: Any = None,
+        **sandbox_options: Any,
+    ) -> None:
+        if not isinstance(entry, str) or not entry.isidentifier():
+            raise UsageError(f"entry must name a function, such as 'transform', not {entry!r}")
+        _check_on_error(on_error)
+        _check_batch_size(batch_size)
+        if functions is not None:
+            sandbox_options["functions"] = functions
+        if http is not None:
+            sandbox_options["http"] = http
+        try:
+            self._sandbox = Sandbox(limits, seed=seed, clock=clock, entropy=entropy,
+                                    backend=backend, **sandbox_options)
+        except TypeError as exc:
+            raise UsageError(f"this wasibox's Sandbox does not accept that option: {exc}") \
+                from None
+        self._sandbox._check_source(code)
+        self.spec = TransformSpec(code=code, entry=entry, limits=self._sandbox.limits,
+                                  seed=seed, clock=clock, entropy=entropy, on_error=on_error,
+                                  batch_size=batch_size)
+        self._options = sandbox_options
+        self._backend_choice = backend
+        self._lock = threading.Lock()
+        self._fuel_used = 0
+        self._batches = 0
+
+    @classmethod
+    def from_spec(cls, spec: TransformSpec, **sandbox_options: Any) -> Transform:
+        """Rebuild a transform from its spec (and the same host-side options)."""
+        return cls(spec.code, spec.entry, limits=spec.limits, seed=spec.seed, clock=spec.clock,
+                   entropy=spec.entropy, on_error=spec.on_error, batch_size=spec.batch_size,
+                   **sandbox_options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if not isinstance(self._backend_choice, str):
+            raise TypeError("a Transform with a custom backend cannot be pickled")
+        return (_rebuild, (self.spec.to_dict(), self._options))
+
+    # -- the API -----------------------------------------------------------------------------
+
+    @property
+    def fuel_used(self) -> int:
+        """Fuel burnt by every batch this transform has run, re-runs included."""
+        return self._fuel_used
+
+    @property
+    def batches_run(self) -> int:
+        """Instances this transform has run (each batch, and each re-run half)."""
+        return self._batches
+
+    def __call__(self, record: Any) -> Any:
+        """Apply the function to one record in a fresh instance; return its output.
+
+        Raises GuestError or LimitExceeded (``index`` 0) when the record fails, whatever
+        ``on_error`` says, and UsageError for a record that is not plain data.
+        """
+        item = self._run([record], 0)[0]
+        if isinstance(item, Failed):
+            raise item.error
+        return item
+
+    def map(self, records: Iterable[Any], *, batch_size: int | None = None,
+            on_error: OnError | None = None, start: int = 0,
+            progress: bool | ProgressCallback | None = None) -> list[Any]:
+        """Apply the function to every record; return the outputs in order.
+
+        ``start`` is the index of the first record, so that partitions of a larger input
+        report global indexes. ``progress`` is a callback (called after each batch with a
+        TransformProgress), True or False for a bar on stderr, or None: a bar when stderr
+        is a terminal. Raises as ``on_error`` says, and UsageError for bad arguments.
+        """
+        total = len(records) if isinstance(records, Sequence) else None
+        return list(self.imap(records, batch_size=batch_size, on_error=on_error, start=start,
+                              progress=progress, total=total))
+
+    def imap(self, records: Iterable[Any], *, batch_size: int | None = None,
+             on_error: OnError | None = None, start: int = 0,
+             progress: bool | ProgressCallback | None = None,
+             total: int | None = None) -> Iterator[Any]:
+        """Like ``map``, but lazily: reads one batch of ``records`` at a time.
+
+        Memory stays bounded by the batch size whatever the length of ``records``.
+        ``total`` (if known) lets the progress bar show a percentage.
+        """
+        size = self.spec.batch_size if batch_size is None else batch_size
+        policy = self.spec.on_error if on_error is None else on_error
+        _check_batch_size(size)
+        _check_on_error(policy)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise UsageError(f"start must be a non-negative int, not {start!r}")
+        if total is None and isinstance(records, Sequence):
+            total = len(records)
+        return self._imap(iter(records), size, policy, start, _reporter(progress), total)
+
+    def fingerprint(self, records: Iterable[Any], *, batch_size: int | None = None) -> str:
+        """A stable digest of the outputs (and failures) for ``records``.
+
+        Equal for equal outputs, whatever the process, machine or batch size; compare it
+        between runs. Failures count by index, type and message.
+        """
+        digest = hashlib.sha256()
+        for index, item in enumerate(self.imap(records, batch_size=batch_size,
+                                               on_error="collect", progress=False)):
+            if isinstance(item, Failed):
+                described = item.to_dict()
+                digest.update(_canonical([index, "failed", described["type"],
+                                          described["message"]]))
+            else:
+                digest.update(_canonical([index, "ok", item]))
+        return "sha256:" + digest.hexdigest()
+
+    def close(self) -> None:
+        """Release the sandbox; idempotent."""
+        self._sandbox.close()
+
+    def __enter__(self) -> Transform:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<wasibox.Transform entry={self.spec.entry!r}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _imap(self, records: Iterator[Any], size: int, policy: OnError, start: int,
+              report: ProgressCallback | None, total: int | None) -> Iterator[Any]:
+        started = time.perf_counter()
+        done = failed = 0
+        fuel_before = self._fuel_used
+        index = start
+        while batch := list(itertools.islice(records, size)):
+            items = self._run(batch, index)
+            index += len(batch)
+            done += len(batch)
+            for item in items:
+                if isinstance(item, Failed):
+                    failed += 1
+                    if policy == "raise":
+                        raise item.error
+                    if policy == "skip":
+                        continue
+                yield item
+            if report is not None:
+                report(TransformProgress(done=done, total=total, failed=failed,
+                                         fuel_used=self._fuel_used - fuel_before,
+                                         elapsed_s=time.perf_counter() - started))
+
+    def _run(self, batch: list[Any], index: int) -> list[Any]:
+        """Outputs (or Failed) for ``batch``, whose first record has index ``index``."""
+        try:
+            payload = encode_records(batch)
+        except (ValueError, TypeError) as exc:
+            bad = next((i for i, record in enumerate(batch) if not _marshallable(record)), 0)
+            raise UsageError(f"record {index + bad} is not plain data (None, bool, int, "
+                             f"float, str, bytes, lists, tuples and dicts): {exc}") from None
+        outcome = self._sandbox._execute_batch(self.spec.code, self.spec.entry, payload)
+        with self._lock:
+            self._fuel_used += outcome.fuel_used
+            self._batches += 1
+        problem = outcome.limit_exceeded is not None or outcome.reply is None
+        reply = None
+        if not problem:
+            assert outcome.reply is not None
+            try:
+                reply = decode_batch_reply(outcome.reply, len(batch), BATCH_REPLY_LIMIT)
+            except ProtocolError as exc:
+                if len(batch) == 1:
+                    failure = GuestException(type="ProtocolError", message=str(exc),
+                                             traceback="")
+                    return [self._failed(index, outcome, failure)]
+                problem = True
+            else:
+                # A MemoryError anywhere may be the batch's fault (everything it holds) and
+                # not the record's: judge those records on their own.
+                problem = reply.memory_error and len(batch) > 1
+        if problem and len(batch) > 1:
+            middle = len(batch) // 2
+            return self._run(batch[:middle], index) + self._run(batch[middle:], index + middle)
+        if reply is None:
+            return [self._failed(index, outcome, None)]
+        if reply.error is not None:
+            failure = GuestException(**reply.error)
+            return [self._failed(index + i, outcome, failure, memory=reply.memory_error)
+                    for i in range(len(batch))]
+        items = reply.values
+        for position, described in reply.errors.items():
+            items[position] = self._failed(index + position, outcome,
+                                           GuestException(**described),
+                                           memory=described["type"] == "MemoryError")
+        return items
+
+    def _failed(self, index: int, outcome: Outcome, failure: GuestException | None,
+                memory: bool = False) -> Failed:
+        result = _result_of(outcome, self._sandbox, failure, memory)
+        error: GuestError | LimitExceeded
+        if result.limit_exceeded is not None:
+            error = LimitExceeded(result.limit_exceeded, result)
+        else:
+            assert result.error is not None
+            error = GuestError(result.error, result)
+        error.index = index
+        error.args = (f"record {index}: {error.args[0]}",)
+        return Failed(index, error)
+
+
+def _result_of(outcome: Outcome, sandbox: Sandbox, failure: GuestException | None,
+               memory: bool) -> RunResult:
+    """The RunResult of a one-record failure (the reply, if any, is already decoded)."""
+    base = build_result(dataclasses.replace(outcome, reply=None), sandbox._backend.name, 0)
+    limit = base.limit_exceeded or (Limit.MEMORY if memory else None)
+    error = failure if failure is not None else base.error
+    if limit is None and error is None:
+        error = GuestException(type="SystemExit", message=str(base.exit_code), traceback="")
+    return dataclasses.replace(base, ok=False, error=error, limit_exceeded=limit,
+                               exit_code=base.exit_code or 1)
+
+
+def _rebuild(spec: dict[str, Any], options: dict[str, Any]) -> Transform:
+    return Transform.from_spec(TransformSpec.from_dict(spec), **options)
+
+
+def _check_on_error(on_error: object) -> None:
+    if on_error not in ("raise", "skip", "collect"):
+        raise UsageError(f"on_error must be 'raise', 'skip' or 'collect', not {on_error!r}")
+
+
+def _check_batch_size(size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise UsageError(f"batch_size must be a positive int, not {size!r}")
+
+
+def _marshallable(record: Any) -> bool:
+    try:
+        encode_records([record])
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _canonical(value: Any) -> bytes:
+    """Bytes that identify a value: msgpack, or a tagged repr for what msgpack cannot hold."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError):
+        return b"repr:" + repr(value).encode("utf-8", "surrogatepass")
+
+
+def _reporter(progress: bool | ProgressCallback | None) -> ProgressCallback | None:
+    if callable(progress):
+        return progress
+    if progress is None:
+        progress = sys.stderr.isatty()
+    return progress_bar() if progress else None
+
+
+def progress_bar(stream: Any = None, width: int = 30) -> ProgressCallback:
+    """A progress callback that draws one updating line on ``stream`` (stderr)."""
+    out = stream if stream is not None else sys.stderr
+
+    def draw(state: TransformProgress) -> None:
+        if state.total:
+            filled = int(width * state.done / state.total)
+            bar = f"[{'#' * filled}{'.' * (width - filled)}] {state.done}/{state.total}"
+        else:
+            bar = f"{state.done} records"
+        failed = f", {state.failed} failed" if state.failed else ""
+        out.write(f"\r\x1b[2K{bar}  {state.records_per_s:,.0f} records/s, "
+                  f"fuel {state.fuel_used:,}{failed}")
+        if state.total is not None and state.done >= state.total:
+            out.write("\n")
+        out.flush()
+
+    return draw
