@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test prepare lint bench clean
+.PHONY: demo test prepare microvm microvm-deps lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,25 @@ prepare: $(VENV)/.installed
 demo: prepare
 	$(BIN)/python examples/demo.py examples/data/orders.csv
 
-test: prepare
+# The microVM backend (numpy, pandas, ...) needs QEMU, bubblewrap and the Debian tools that
+# build its image; as root they are installed here, once. Its image and template snapshot
+# are built ahead (cached by content; a few minutes the first time).
+MICROVM_DEBS := qemu-system-x86 bubblewrap debootstrap erofs-utils kmod busybox-static
+microvm-deps:
+	@missing=$$(for p in $(MICROVM_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends $$missing; \
+	else \
+		echo "microvm: not root, skipping: apt-get install" $$missing; \
+	fi
+
+microvm: microvm-deps $(VENV)/.installed
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/wasibox microvm build; \
+	else echo "microvm: building the image needs root: sudo $(BIN)/wasibox microvm build"; fi
+
+test: prepare microvm
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.installed

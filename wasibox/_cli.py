@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                     "digest and cache state, and KVM availability. Never builds anything.")
     doctor.set_defaults(handler=_cmd_doctor)
 
+    from ._vm_cli import add_microvm_command
+
+    add_microvm_command(commands)
+
     from ._cli_data import add_commands  # transform and fuzz
 
     add_commands(commands, _limits_arguments)
@@ -202,6 +206,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("guest", cached_guest_state()),
         ("kvm", kvm_state),
     ]
+    from ._vm_cli import doctor_rows
+
+    rows += doctor_rows()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

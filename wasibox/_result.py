@@ -52,6 +52,9 @@ class RunResult:
     files_refused: list[RefusedFile] = dataclasses.field(default_factory=list)
     #: Every decision a capability made during the run (host calls, HTTP), in order.
     capability_log: tuple[CapabilityEvent, ...] = ()
+    #: What isolated the guest: "wasm" (Wasmtime), or for the microVM "kvm" (hardware
+    #: virtualization) or "tcg" (QEMU's software emulation, not a security boundary).
+    isolation: str = "wasm"
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain JSON-compatible data (``value`` included as is)."""
@@ -84,6 +87,7 @@ class Outcome:
     duration_s: float = 0.0
     #: Every decision a capability made during the run, in order.
     capability_log: tuple[CapabilityEvent, ...] = ()
+    isolation: str = "wasm"
 
 
 def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
@@ -131,4 +135,5 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
         backend=backend,
         value=value,
         capability_log=outcome.capability_log,
+        isolation=outcome.isolation,
     )

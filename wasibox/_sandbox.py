@@ -37,6 +37,13 @@ class Sandbox:
     guest), and ``http`` grants mediated HTTP under an ``HttpPolicy``; both are off by
     default, and every decision they make is in ``RunResult.capability_log``.
 
+    ``backend="auto"`` (the default) runs on wasm unless the code needs a module the wasm
+    guest lacks and the microVM image has: decided before the run from a static scan of its
+    imports and from ``requires`` (module names, e.g. ``["numpy"]``); a run never runs twice.
+    ``"wasm"`` and ``"microvm"`` force one. ``allow_emulation`` (default:
+    ``WASIBOX_ALLOW_EMULATION``) lets the microVM run under software emulation (TCG), which
+    is not a security boundary; without it such a run raises UsageError.
+
     Raises UsageError for an unknown backend, clock or entropy setting, a bad mount, a host
     function name that is not an identifier or a value that is not callable, or an ``http``
     that is not an ``HttpPolicy``.
@@ -49,11 +56,13 @@ class Sandbox:
         seed: int = 0,
         clock: Literal["virtual", "real"] = "virtual",
         entropy: Literal["seeded", "real"] = "seeded",
-        backend: Literal["wasm"] | Backend = "wasm",
+        backend: Literal["auto", "wasm", "microvm"] | Backend = "auto",
         mounts: Sequence[Mount] = (),
         workspace: str | os.PathLike[str] | None = None,
         http: HttpPolicy | None = None,
         functions: Mapping[str, Callable[..., Any]] | None = None,
+        allow_emulation: bool | None = None,
+        requires: Sequence[str] = (),
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -74,7 +83,15 @@ class Sandbox:
         self.policy = Policy(seed=seed, clock=clock, entropy=entropy,
                              mounts=check_mounts(table),
                              functions=check_functions(functions), http=http)
-        self._backend = _make_backend(backend)
+        if isinstance(requires, str) or not all(
+                isinstance(name, str) and name.replace(".", "_").isidentifier()
+                for name in requires):
+            raise UsageError(f"requires must be a list of module names, not {requires!r}")
+        self.requires = tuple(requires)
+        self._allow_emulation = allow_emulation
+        self._auto = backend == "auto"
+        self._backend = _make_backend("wasm" if self._auto else backend, allow_emulation)
+        self._microvm: Backend | None = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -118,6 +135,8 @@ class Sandbox:
                 return
             self._closed = True
         self._backend.close()
+        if self._microvm is not None:
+            self._microvm.close()
 
     def __enter__(self) -> Sandbox:
         self._ensure_open()
@@ -128,7 +147,8 @@ class Sandbox:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<wasibox.Sandbox backend={self._backend.name} {state}>"
+        name = "auto" if self._auto else self._backend.name
+        return f"<wasibox.Sandbox backend={name} {state}>"
 
     # -- internals --------------------------------------------------------------------------
 
@@ -158,8 +178,27 @@ class Sandbox:
                                          star=star))
 
     def _execute(self, job: Job) -> RunResult:
+        backend = self._choose(job)
         return run_with_files(job, lambda job: build_result(
-            self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES))
+            backend.execute(job), backend.name, REPLY_LIMIT_BYTES))
+
+    def _choose(self, job: Job) -> Backend:
+        """The backend for this job: decided once, before anything runs."""
+        if not self._auto:
+            return self._backend
+        from ._select import wasm_lacks
+
+        lacking = wasm_lacks(job.code, self.requires)
+        if not lacking:
+            return self._backend
+        from .backends.microvm import microvm_available, vm_modules
+
+        if not (microvm_available() and lacking & vm_modules()):
+            return self._backend
+        with self._lock:
+            if self._microvm is None:
+                self._microvm = _make_backend("microvm", self._allow_emulation)
+            return self._microvm
 
 
 def unwrap(result: RunResult) -> Any:
@@ -174,14 +213,19 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
-def _make_backend(backend: str | Backend) -> Backend:
+def _make_backend(backend: str | Backend, allow_emulation: bool | None = None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     if backend == "wasm":
         from .backends.wasm import WasmBackend
 
         return WasmBackend()
-    raise UsageError(f"backend must be 'wasm' or a Backend instance, not {backend!r}")
+    if backend == "microvm":
+        from .backends.microvm import MicroVMBackend
+
+        return MicroVMBackend(allow_emulation=allow_emulation)
+    raise UsageError("backend must be 'auto', 'wasm', 'microvm' or a Backend instance, "
+                     f"not {backend!r}")
 
 
 def run(code: str, *, limits: Limits | None = None, seed: int = 0) -> RunResult:

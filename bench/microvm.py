@@ -1,0 +1,140 @@
+"""MicroVM benchmark: cold boot, restore, a small numpy run, and the image build.
+
+What it measures (printed; nothing is asserted):
+
+1. Cold boot to a ready agent: a VM booted from scratch (kernel, initramfs, root file
+   system, agent imports numpy and pandas) until the agent's ``ready`` frame, ``--cold`` times.
+2. Restore to a ready agent: a VM restored from the template until its channel is connected
+   (the agent is then waiting for its job), and restore plus a ``pass`` job end to end.
+3. ``Sandbox.run`` of a small numpy program from a restored template, ``--runs`` times
+   (median), beside the same program on the wasm backend (which cannot import numpy: its
+   result is printed) and a pure-Python equivalent on wasm as a baseline.
+4. The image build time recorded when this machine built the image (``--rebuild`` builds a
+   fresh one into an empty cache directory instead; a few minutes).
+
+Run it as root (the image build needs root) with ``python bench/microvm.py``; it opts in to
+TCG when KVM is not usable here, and says which accelerator ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import wasibox
+from wasibox._progress import silent
+from wasibox._vm_image import ensure_image
+from wasibox.backends import microvm as vm
+
+NUMPY_CODE = "import numpy as np\na = np.arange(10_000, dtype=np.float64)\nprint(float(a @ a))"
+PYTHON_CODE = "a = [float(i) for i in range(10_000)]\nprint(sum(x * x for x in a))"
+LIMITS = wasibox.Limits(timeout_s=120, fuel=10**12)
+
+
+def _median(samples: list[float]) -> str:
+    return f"median {statistics.median(samples) * 1000:8.1f} ms (n={len(samples)}, " \
+           f"min {min(samples) * 1000:.1f}, max {max(samples) * 1000:.1f})"
+
+
+def cold_boot(runtime: vm.MicroVMRuntime, count: int) -> list[float]:
+    spec = vm.MachineSpec(runtime.image, runtime.accel, vm.default_memory_mib())
+    samples = []
+    for _ in range(count):
+        with vm._run_directory() as paths:
+            listener = vm._listen(paths.channel)
+            started = time.perf_counter()
+            process = runtime.engine.launch(spec, paths, ram=paths.directory / "ram",
+                                            restore=None)
+            machine = vm._VM(process, paths, listener)
+            try:
+                runtime._wait_ready(machine, time.monotonic() + vm.TEMPLATE_TIMEOUT_S)
+                samples.append(time.perf_counter() - started)
+            finally:
+                machine.kill()
+    return samples
+
+
+def restore(runtime: vm.MicroVMRuntime, count: int) -> tuple[list[float], list[float]]:
+    memory_mib = vm.default_memory_mib()
+    runtime.template(memory_mib)
+    connected, round_trip = [], []
+    request = {"kind": "run", "job": {"op": "run", "code": "pass", "seed": 0},
+               "output_bytes": 1024, "cpu_s": 10, "entropy": os.urandom(32), "time_ns": 0}
+    for _ in range(count):
+        with vm._run_directory() as paths:
+            started = time.perf_counter()
+            machine = runtime.restore(memory_mib, paths)
+            try:
+                deadline = time.monotonic() + 60
+                while machine.channel is None and time.monotonic() < deadline:
+                    for _frame in machine.poll(time.monotonic() + 0.01):
+                        pass
+                connected.append(time.perf_counter() - started)
+                machine.send(request)
+                for frame in machine.poll(deadline):
+                    if frame.get("kind") == "done":
+                        break
+                round_trip.append(time.perf_counter() - started)
+            finally:
+                machine.kill()
+    return connected, round_trip
+
+
+def sandbox_runs(backend: str, code: str, count: int) -> tuple[list[float], wasibox.RunResult]:
+    samples = []
+    with wasibox.Sandbox(LIMITS, backend=backend, allow_emulation=True) as sandbox:  # type: ignore[arg-type]
+        result = sandbox.run(code)  # warm-up: templates and pools are made outside the timing
+        for _ in range(count):
+            started = time.perf_counter()
+            result = sandbox.run(code)
+            samples.append(time.perf_counter() - started)
+    return samples, result
+
+
+def build_times(rebuild: bool) -> str:
+    if rebuild:
+        with tempfile.TemporaryDirectory() as cache:
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "wasibox", "microvm", "build", "--no-template"],
+                           env=dict(os.environ, WASIBOX_CACHE_DIR=cache), check=True)
+            return f"{time.perf_counter() - started:.1f} s (fresh build, this run)"
+    image = ensure_image(progress=silent)
+    kernel = json.loads((image.kernel.parent / "kernel.json").read_text())
+    rootfs = image.manifest["build_seconds"]
+    return (f"{kernel['build_seconds'] + rootfs:.1f} s recorded at build (kernel "
+            f"{kernel['build_seconds']} s, root file system {rootfs} s; --rebuild to measure)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--cold", type=int, default=1)
+    parser.add_argument("--rebuild", action="store_true")
+    args = parser.parse_args()
+    runtime = vm.microvm_runtime()
+    print(f"accelerator: {runtime.accel}   engine: {runtime.engine.identity()}")
+    print(f"image build:            {build_times(args.rebuild)}")
+    print(f"cold boot to ready:     {_median(cold_boot(runtime, args.cold))}")
+    connected, round_trip = restore(runtime, args.runs)
+    print(f"restore to ready:       {_median(connected)}")
+    print(f"restore + 'pass' job:   {_median(round_trip)}")
+    vm_samples, vm_result = sandbox_runs("microvm", NUMPY_CODE, args.runs)
+    print(f"numpy run, microvm:     {_median(vm_samples)}  -> {vm_result.stdout.strip()}")
+    _, wasm_result = sandbox_runs("wasm", NUMPY_CODE, 0)
+    failure = wasm_result.error.type if wasm_result.error else "ran"
+    print(f"numpy run, wasm:        cannot run there ({failure}: "
+          f"{wasm_result.error.message if wasm_result.error else ''})")
+    py_samples, py_result = sandbox_runs("wasm", PYTHON_CODE, args.runs)
+    print(f"pure-Python run, wasm:  {_median(py_samples)}  -> {py_result.stdout.strip()}")
+    ratio = statistics.median(vm_samples) / statistics.median(py_samples)
+    print(f"ratio microvm numpy run / wasm pure-Python run: {ratio:.0f}x")
+
+
+if __name__ == "__main__":
+    main()

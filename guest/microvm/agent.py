@@ -1,0 +1,403 @@
+"""The microVM guest agent: the guest's PID 1 after the initramfs hands over.
+
+It imports the scientific stack once, tells the host it is ready, and then waits for one job
+on its virtio-serial port. The host snapshots the VM at that point (the template) and restores
+a fresh copy-on-write copy of it for every run, so the imports below cost nothing per run and
+no state carries from one run to the next.
+
+A job runs in a forked child that drops every privilege: an unprivileged uid, no channel to
+the host, a process cap (fork bombs), a CPU-time cap (the VM's meaning of fuel), and the OOM
+killer's first pick. The agent relays the child's output, enforces the output cap, and reports
+how the child ended. The host trusts none of it: it checks every frame, and enforces the
+timeout, the output cap and the VM's memory itself.
+
+Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to host::
+
+    {"kind": "ready", "python": str}
+    {"kind": "output", "fd": 1 | 2, "data": bytes}
+    {"kind": "done", "reply": str | None, "exit_code": int | None, "limit": str | None,
+     "fault": None | {"type", "message", "traceback"}, "cpu_s": float,
+     "memory_peak_bytes": int, "truncated": [fd, ...]}
+
+``reply`` is the wasm runner's reply, encoded the same way (base64 msgpack, shape in
+``wasibox/_wire.py``), so the host builds the result with the same code for both backends.
+Host to guest, once per VM::
+
+    {"kind": "run", "job": <the wasm runner's request>, "output_bytes": int,
+     "cpu_s": int, "entropy": bytes, "time_ns": int}
+
+This file never imports the host package: it is the other side of a trust boundary.
+"""
+
+import base64
+import builtins
+import fcntl
+import gc
+import io
+import linecache
+import os
+import random
+import resource
+import select
+import signal
+import struct
+import sys
+import time
+import traceback
+
+import msgpack
+
+# Imported now, before the template snapshot, so a run never pays for them.
+import asyncio  # noqa: F401
+import collections  # noqa: F401
+import csv  # noqa: F401
+import dataclasses  # noqa: F401
+import datetime  # noqa: F401
+import decimal  # noqa: F401
+import json  # noqa: F401
+import math  # noqa: F401
+import re  # noqa: F401
+import statistics  # noqa: F401
+
+try:
+    import numpy  # noqa: F401
+    import pandas  # noqa: F401
+except ImportError as exc:  # an image without them still serves plain Python
+    print(f"wasibox-agent: {exc}", flush=True)
+
+PORT_NAME = "agent"
+NOBODY = 65534
+#: Processes the unprivileged user may have at once: enough for a small pool, not a bomb.
+MAX_PROCESSES = 64
+#: Largest frame accepted from the host (the job carries the code and its arguments).
+MAX_REQUEST_BYTES = 96 * 2**20
+#: Largest reply the child may send back (the host caps it again).
+MAX_REPLY_BYTES = 88 * 2**20
+OUTPUT_CHUNK = 1 << 16
+RNDRESEEDCRNG = 0x5207
+_SOURCE_NAME = "<sandbox>"
+_AGENT_FILE = __file__
+_BUILTINS = dict(vars(builtins))
+
+
+# -- the channel -------------------------------------------------------------------------------
+
+def _port_path():
+    root = "/sys/class/virtio-ports"
+    for _ in range(400):
+        for entry in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+            try:
+                with open(os.path.join(root, entry, "name")) as handle:
+                    if handle.read().strip() == PORT_NAME:
+                        return "/dev/" + entry
+            except OSError:
+                continue
+        time.sleep(0.025)
+    raise SystemExit("wasibox-agent: no virtio-serial port named 'agent'")
+
+
+class Channel:
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def send(self, message):
+        data = msgpack.packb(message, use_bin_type=True)
+        view = memoryview(struct.pack(">I", len(data)) + data)
+        while view:
+            try:
+                written = os.write(self.fd, view)
+            except InterruptedError:
+                continue
+            view = view[written:]
+
+    def _read_exactly(self, size):
+        chunks = []
+        while size:
+            try:
+                data = os.read(self.fd, min(size, 1 << 20))
+            except InterruptedError:
+                continue
+            if not data:
+                # No host on the other end yet (a restored VM before the host connects).
+                time.sleep(0.002)
+                continue
+            chunks.append(data)
+            size -= len(data)
+        return b"".join(chunks)
+
+    def receive(self):
+        (size,) = struct.unpack(">I", self._read_exactly(4))
+        if size > MAX_REQUEST_BYTES:
+            raise SystemExit("wasibox-agent: request frame too large")
+        return msgpack.unpackb(self._read_exactly(size), raw=False, strict_map_key=False)
+
+
+# -- the child: runs the job with nothing but its own pipes -----------------------------------
+
+def _describe(exc):
+    """The guest-visible description of an exception, without this agent's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == _AGENT_FILE:
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except BaseException:
+        text = f"{type(exc).__name__}: <exception could not be formatted>\n"
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "<exception could not be formatted>"
+    return {"type": type(exc).__name__, "message": message, "traceback": text}
+
+
+def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
+    # Bound as defaults: clearing the namespace removes every builtin name until update runs.
+    namespace.clear()
+    namespace.update(pristine)
+
+
+def _encode(fields):
+    return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
+
+
+def _exit_status(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    return 1
+
+
+def execute(job):
+    """Run one job (the wasm runner's request) and return the encoded reply."""
+    random.seed(job.get("seed"))
+    code = job["code"]
+    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    exit_code = 0
+    error = None
+    value = None
+    memory_error = False
+    try:
+        exec(compile(code, _SOURCE_NAME, "exec", dont_inherit=True), namespace)
+        if job.get("op") == "call":
+            entry = job.get("entry")
+            function = namespace.get(entry)
+            if not callable(function):
+                raise NameError(f"the code defines no callable named {entry!r}")
+            value = function(*job.get("args", ()), **job.get("kwargs", {}))
+    except SystemExit as exc:
+        exit_code = _exit_status(exc.code)
+    except MemoryError as exc:
+        memory_error = True
+        error = _describe(exc)
+        exit_code = 1
+    except BaseException as exc:
+        error = _describe(exc)
+        exit_code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    _restore_builtins()
+    try:
+        return _encode(dict(exit_code=exit_code, error=error, value=value,
+                            memory_error=memory_error, heap_top=0))
+    except (TypeError, ValueError, OverflowError) as exc:
+        if error is None and exit_code == 0:
+            error = {"type": "TypeError", "traceback": "",
+                     "message": f"the return value of {job.get('entry')!r} is not "
+                                f"msgpack-compatible: {exc}"}
+            exit_code = 1
+        return _encode(dict(exit_code=exit_code, error=error, value=None,
+                            memory_error=memory_error, heap_top=0))
+
+
+def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
+    """In the forked child: drop privileges, run the job, write the reply, exit.
+
+    Never returns, whatever the job did to this interpreter: ``_exit`` is bound early.
+    """
+    status = 70
+    try:
+        os.setsid()
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")
+        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.closerange(3, reply_w)
+        os.closerange(reply_w + 1, 1 << 16)
+        os.chdir("/tmp")
+        os.environ.clear()
+        os.environ.update(HOME="/tmp", PATH="/usr/bin:/bin", LANG="C.UTF-8", TMPDIR="/tmp")
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                      errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                      errors="backslashreplace", line_buffering=True)
+        gc.unfreeze()
+        reply = execute(job).encode("ascii")
+        view = memoryview(reply)
+        while view:
+            view = view[os.write(reply_w, view):]
+        status = 0
+    finally:
+        _exit(status)
+
+
+# -- the agent: relays, caps, classifies --------------------------------------------------------
+
+def _oom_kills():
+    try:
+        with open("/proc/vmstat") as handle:
+            for line in handle:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reseed(entropy):
+    """Every restored VM starts with the template's RNG state: mix in the host's entropy."""
+    try:
+        fd = os.open("/dev/urandom", os.O_WRONLY)
+        try:
+            os.write(fd, entropy)
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        print(f"wasibox-agent: reseeding failed: {exc}", flush=True)
+
+
+def serve(channel, request):
+    job = request["job"]
+    output_room = int(request["output_bytes"])
+    cpu_s = max(int(request["cpu_s"]), 1)
+    _reseed(bytes(request.get("entropy", b"")))
+    try:
+        time.clock_settime_ns(time.CLOCK_REALTIME, int(request["time_ns"]))
+    except (OSError, KeyError, ValueError):
+        pass
+    oom_before = _oom_kills()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(channel.fd)
+        for fd in (out_r, err_r, reply_r):
+            os.close(fd)
+        _child(job, cpu_s, out_w, err_w, reply_w)
+    for fd in (out_w, err_w, reply_w):
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    streams = {out_r: 1, err_r: 2}
+    open_fds = {out_r, err_r, reply_r}
+    reply = bytearray()
+    limit = None
+    fault = None
+    killed_by_agent = False
+    truncated = set()
+
+    def relay(fd, data):
+        nonlocal output_room, limit, killed_by_agent
+        if fd == reply_r:
+            if len(reply) + len(data) > MAX_REPLY_BYTES:
+                raise OverflowError
+            reply.extend(data)
+            return
+        keep = data[:output_room]
+        output_room -= len(keep)
+        if keep:
+            channel.send({"kind": "output", "fd": streams[fd], "data": keep})
+        if len(keep) < len(data) and limit is None:
+            truncated.add(streams[fd])
+            limit = "output"
+            killed_by_agent = True
+            os.killpg(pid, signal.SIGKILL)
+
+    child_running = True
+    try:
+        while open_fds and (child_running or open_fds):
+            watch = list(open_fds) + ([pidfd] if child_running else [])
+            ready, _, _ = select.select(watch, [], [], None if child_running else 0)
+            if not ready:
+                break
+            for fd in ready:
+                if fd == pidfd:
+                    child_running = False
+                    # The job is over: nothing the child left behind may keep running.
+                    os.kill(-1, signal.SIGKILL)
+                    continue
+                data = os.read(fd, OUTPUT_CHUNK)
+                if not data:
+                    open_fds.discard(fd)
+                    continue
+                relay(fd, data)
+    except OverflowError:
+        killed_by_agent = True
+        os.kill(-1, signal.SIGKILL)
+        fault = {"type": "ProtocolError", "traceback": "",
+                 "message": "the guest's reply is larger than the host accepts"}
+    _, status, usage = os.wait4(pid, 0)
+    os.kill(-1, signal.SIGKILL)
+    cpu_used = usage.ru_utime + usage.ru_stime
+    exit_code = None
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if limit is None and _oom_kills() > oom_before:
+            limit = "memory"
+        elif limit is None and (signum == signal.SIGXCPU or cpu_used >= cpu_s):
+            limit = "fuel"
+        elif limit is None and not killed_by_agent:
+            fault = {"type": "Signal", "traceback": "",
+                     "message": f"the guest process was killed by {signal.Signals(signum).name}"}
+    elif not reply and fault is None:
+        exit_code = os.WEXITSTATUS(status)  # os._exit, or a failure before the job ran
+    channel.send({
+        "kind": "done",
+        "reply": reply.decode("ascii", "replace") if reply and limit is None else None,
+        "exit_code": exit_code,
+        "limit": limit,
+        "fault": fault,
+        "cpu_s": cpu_used,
+        "memory_peak_bytes": usage.ru_maxrss * 1024,
+        "truncated": sorted(truncated),
+    })
+
+
+def main():
+    with open("/proc/self/oom_score_adj", "w") as handle:
+        handle.write("-1000")
+    channel = Channel(_port_path())
+    gc.collect()
+    gc.freeze()
+    channel.send({"kind": "ready", "python": sys.version.split()[0]})
+    # The template snapshot is taken here, while this waits for its one job.
+    request = channel.receive()
+    if request.get("kind") == "run":
+        serve(channel, request)
+    while True:  # the host stops the VM; PID 1 must not exit
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The microVM backend, end to end: real QEMU, the real Debian image, the real guest agent.
+
+Every VM test shares one built image and template (the session fixture builds them with
+progress if this machine has none cached). Under TCG each run costs about a second, so the
+number of VM runs here is kept small: each test asserts several things about one run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import wasibox
+from tests.conftest import PYTHON, child_env
+from wasibox import Limit, Limits, UsageError
+from wasibox._vm_image import cached_image_state
+from wasibox.backends.microvm import MicroVMBackend, MicroVMRuntime, microvm_runtime
+
+pytestmark = pytest.mark.microvm
+
+#: Generous limits: under TCG guest code runs 15-30x slower than native.
+VM_LIMITS = Limits(timeout_s=60.0, fuel=60 * 10**9)
+
+TRANSFORM = textwrap.dedent("""
+    import numpy as np
+    import pandas as pd
+
+    def transform(rows):
+        frame = pd.DataFrame(rows)
+        frame["total"] = frame["qty"] * frame["price"]
+        summary = frame.groupby("region")["total"].agg(["sum", "count"]).reset_index()
+        return {
+            "regions": summary["region"].tolist(),
+            "sums": [float(x) for x in summary["sum"]],
+            "counts": [int(x) for x in summary["count"]],
+            "norm": float(np.linalg.norm(frame["total"].to_numpy())),
+        }
+""")
+ROWS = [{"region": "north", "qty": 2, "price": 3.0}, {"region": "south", "qty": 1, "price": 4.0},
+        {"region": "north", "qty": 5, "price": 1.0}]
+
+
+def _vm_processes() -> list[int]:
+    """PIDs of QEMU processes wasibox started (their run directories say so)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except OSError:
+            continue
+        if b"qemu-system" in cmdline and b"wasibox-vm-" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _no_orphans() -> None:
+    deadline = time.monotonic() + 10
+    while _vm_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _vm_processes() == []
+
+
+@pytest.fixture(scope="session")
+def vm_runtime() -> MicroVMRuntime:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("QEMU is not installed (apt-get install qemu-system-x86)")
+    if os.geteuid() != 0 and not cached_image_state().startswith("built"):
+        pytest.skip("the microVM image is not built, and building it needs root "
+                    "(sudo wasibox microvm build)")
+    return microvm_runtime()
+
+
+@pytest.fixture(scope="session")
+def vm(vm_runtime: MicroVMRuntime) -> Iterator[wasibox.Sandbox]:
+    with wasibox.Sandbox(VM_LIMITS, backend="microvm", allow_emulation=True) as sandbox:
+        yield sandbox
+
+
+def test_numpy_and_pandas_run_forced(vm: wasibox.Sandbox, vm_runtime: MicroVMRuntime) -> None:
+    result = vm.run(TRANSFORM + "print(transform(ROWS))".replace("ROWS", repr(ROWS)))
+    assert result.ok, result
+    assert result.backend == "microvm"
+    assert result.isolation == vm_runtime.accel
+    assert result.isolation in ("kvm", "tcg")
+    assert "'regions': ['north', 'south']" in result.stdout
+    assert "'sums': [11.0, 4.0]" in result.stdout
+    _no_orphans()
+
+
+def test_call_in_auto_mode_picks_the_microvm(vm_runtime: MicroVMRuntime) -> None:
+    with wasibox.Sandbox(VM_LIMITS, allow_emulation=True) as sandbox:
+        result = sandbox.run(TRANSFORM, entry="transform", args=[ROWS])
+    assert result.ok, result
+    assert result.backend == "microvm"
+    assert result.value["regions"] == ["north", "south"]
+    assert result.value["sums"] == [11.0, 4.0]
+    assert result.value["counts"] == [2, 1]
+    assert result.value["norm"] == pytest.approx((36 + 16 + 25) ** 0.5)
+
+
+def test_call_forced_raises_the_guest_error(vm: wasibox.Sandbox) -> None:
+    value = vm.call(TRANSFORM, "transform", ROWS)
+    assert value["counts"] == [2, 1]
+    with pytest.raises(wasibox.GuestError) as caught:
+        vm.call("import numpy\ndef f():\n    return numpy.zeros(2) / undefined\n", "f")
+    assert caught.value.type == "NameError"
+    assert "<sandbox>" in caught.value.traceback
+    assert "agent.py" not in caught.value.traceback
+
+
+def test_auto_mode_keeps_plain_code_on_wasm() -> None:
+    with wasibox.Sandbox() as sandbox:
+        result = sandbox.run("import json\nprint(json.dumps([1, 2]))")
+    assert result.backend == "wasm"
+    assert result.isolation == "wasm"
+    assert result.stdout == "[1, 2]\n"
+
+
+def test_requires_selects_the_microvm(vm_runtime: MicroVMRuntime) -> None:
+    code = "import sys\nprint(sys.platform, 'numpy' in sys.modules)"
+    with wasibox.Sandbox(VM_LIMITS, requires=["numpy"], allow_emulation=True) as sandbox:
+        result = sandbox.run(code)
+    assert result.backend == "microvm"
+    assert result.stdout == "linux True\n"
+
+
+def test_timeout_kills_the_vm(vm_runtime: MicroVMRuntime) -> None:
+    limits = VM_LIMITS.replace(timeout_s=3.0)
+    with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
+        result = sandbox.run("print('started', flush=True)\nwhile True:\n    pass")
+    assert result.limit_exceeded is Limit.TIMEOUT
+    assert not result.ok
+    assert result.stdout == "started\n"  # output before the kill is kept
+    _no_orphans()
+
+
+def test_guest_oom_is_reported_as_memory(vm_runtime: MicroVMRuntime) -> None:
+    code = textwrap.dedent("""
+        hog = []
+        while True:
+            hog.append(bytearray(16 * 2**20))
+    """)
+    with wasibox.Sandbox(VM_LIMITS, backend="microvm", allow_emulation=True) as sandbox:
+        result = sandbox.run(code)
+    assert result.limit_exceeded is Limit.MEMORY, result
+    assert result.memory_peak_bytes > 0
+    _no_orphans()
+
+
+def test_output_flood_is_cut_at_the_cap(vm_runtime: MicroVMRuntime) -> None:
+    limits = VM_LIMITS.replace(output_bytes=10_000)
+    with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
+        result = sandbox.run("while True:\n    print('x' * 999)")
+    assert result.limit_exceeded is Limit.OUTPUT
+    assert result.stdout_truncated
+    assert len(result.stdout) + len(result.stderr) <= 10_000
+    assert result.stdout.startswith("x" * 999)
+    _no_orphans()
+
+
+def test_fork_bomb_is_contained(vm_runtime: MicroVMRuntime) -> None:
+    code = textwrap.dedent("""
+        import os
+        print("bombing", flush=True)
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """)
+    limits = VM_LIMITS.replace(timeout_s=8.0)
+    with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
+        result = sandbox.run(code)
+    assert result.limit_exceeded is Limit.TIMEOUT
+    assert result.stdout.startswith("bombing")
+    _no_orphans()
+
+
+def test_no_network_inside_the_vm(vm: wasibox.Sandbox) -> None:
+    code = textwrap.dedent("""
+        import os, socket
+        print(sorted(os.listdir("/sys/class/net")))
+        for host, port in [("10.0.2.2", 80), ("169.254.169.254", 80), ("127.0.0.1", 22)]:
+            try:
+                socket.create_connection((host, port), timeout=3).close()
+                print(host, "connected")
+            except OSError as exc:
+                print(host, "failed", type(exc).__name__)
+    """)
+    result = vm.run(code)
+    assert result.ok, result
+    lines = result.stdout.splitlines()
+    assert lines[0] == "['lo']"  # no network device at all, only loopback
+    for host in ("10.0.2.2", "169.254.169.254", "127.0.0.1"):
+        assert any(line.startswith(f"{host} failed") for line in lines), result.stdout
+
+
+def test_guest_is_unprivileged_and_root_is_read_only(vm: wasibox.Sandbox) -> None:
+    code = textwrap.dedent("""
+        import os
+        print(os.getuid(), os.getgid())
+        try:
+            open("/usr/evil", "w")
+        except OSError as exc:
+            print("write refused", exc.errno)
+        with open("/tmp/scratch", "w") as handle:
+            handle.write("ok")
+        print(open("/tmp/scratch").read())
+    """)
+    result = vm.run(code)
+    assert result.ok, result
+    uid_line, refused, scratch = result.stdout.splitlines()
+    assert uid_line == "65534 65534"
+    assert refused.startswith("write refused")
+    assert scratch == "ok"
+
+
+def test_tcg_is_refused_without_opt_in(vm_runtime: MicroVMRuntime,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WASIBOX_ALLOW_EMULATION", raising=False)
+    backend = MicroVMBackend(runtime_=vm_runtime)
+    if vm_runtime.accel == "kvm":
+        backend.check_allowed()  # hardware virtualization needs no opt-in
+        return
+    with pytest.raises(UsageError, match="TCG") as caught:
+        with wasibox.Sandbox(VM_LIMITS, backend="microvm") as sandbox:
+            sandbox.run("print(1)")
+    assert "allow_emulation=True" in str(caught.value)
+    assert "WASIBOX_ALLOW_EMULATION=1" in str(caught.value)
+    with pytest.raises(UsageError, match="TCG"):
+        with wasibox.Sandbox(VM_LIMITS) as sandbox:  # auto mode picks the VM, then refuses
+            sandbox.run("import numpy")
+    monkeypatch.setenv("WASIBOX_ALLOW_EMULATION", "1")
+    MicroVMBackend(runtime_=vm_runtime).check_allowed()
+
+
+def test_memory_below_the_vm_minimum_is_a_usage_error(vm: wasibox.Sandbox) -> None:
+    with wasibox.Sandbox(VM_LIMITS.replace(memory_bytes="64MiB"), backend="microvm",
+                         allow_emulation=True) as sandbox:
+        with pytest.raises(UsageError, match="minimum"):
+            sandbox.run("import numpy")
+
+
+def test_no_vm_survives_its_host_process(vm_runtime: MicroVMRuntime) -> None:
+    script = textwrap.dedent("""
+        import wasibox
+        sandbox = wasibox.Sandbox(wasibox.Limits(timeout_s=120, fuel=10**12),
+                                  backend="microvm", allow_emulation=True)
+        print("running", flush=True)
+        sandbox.run("import time\\ntime.sleep(100)")
+    """)
+    child = subprocess.Popen([PYTHON, "-c", script], env=child_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"running\n"
+        deadline = time.monotonic() + 60
+        while not _vm_processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _vm_processes(), "the VM never started"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    _no_orphans()
+    assert sys.platform == "linux"

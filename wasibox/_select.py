@@ -1,0 +1,65 @@
+"""Choosing a backend before a run: wasm unless the code needs what only the microVM has.
+
+The choice is made once, before anything runs, from a static scan of the code's imports (the
+host parses it with ``ast``; nothing is executed) and the caller's explicit ``requires``. A
+run is never retried on the other backend: side effects such as HTTP calls and host
+functions must not happen twice.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Collection, Iterable
+
+__all__ = ["WASM_MODULES", "imported_modules", "needs_microvm", "wasm_lacks"]
+
+#: Standard-library modules the wasm guest cannot provide (no native libraries, no OS process
+#: model, no terminal); the guest runner refuses them with a clear ImportError.
+_WASM_UNAVAILABLE = frozenset({
+    "ctypes", "ssl", "bz2", "lzma", "multiprocessing", "curses", "readline", "dbm", "tkinter",
+    "turtle", "idlelib", "venv", "ensurepip", "pty", "tty", "termios", "fcntl", "grp", "pwd",
+    "resource", "mmap", "syslog",
+})
+#: Top-level modules the wasm guest can import: the standard library it bundles, and the
+#: pure-Python packages built into it.
+WASM_MODULES = frozenset(sys.stdlib_module_names - _WASM_UNAVAILABLE) | {"msgpack", "tzdata"}
+
+
+def imported_modules(code: str) -> set[str]:
+    """The top-level modules ``code`` imports, found statically; empty if it does not parse.
+
+    Counts ``import x``, ``from x import y``, and ``__import__("x")`` /
+    ``importlib.import_module("x")`` with a literal name. Relative imports are ignored.
+    """
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return set()  # the run reports the SyntaxError; no backend can do better
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module:
+                found.add(node.module.partition(".")[0])
+        elif isinstance(node, ast.Call) and node.args:
+            function = node.func
+            name = (function.id if isinstance(function, ast.Name)
+                    else function.attr if isinstance(function, ast.Attribute) else "")
+            first = node.args[0]
+            if (name in ("__import__", "import_module") and isinstance(first, ast.Constant)
+                    and isinstance(first.value, str)):
+                found.add(first.value.partition(".")[0])
+    return {name for name in found if name}
+
+
+def wasm_lacks(code: str, requires: Iterable[str]) -> set[str]:
+    """The top-level modules the code imports or requires that the wasm guest lacks."""
+    wanted = imported_modules(code) | {name.partition(".")[0] for name in requires}
+    return {name for name in wanted if name not in WASM_MODULES}
+
+
+def needs_microvm(code: str, requires: Iterable[str], vm_modules: Collection[str]) -> bool:
+    """True if the code needs a module the wasm guest lacks and the microVM image has."""
+    return any(name in vm_modules for name in wasm_lacks(code, requires))
