@@ -55,9 +55,15 @@ def imported_modules(code: str) -> set[str]:
 
 
 def wasm_lacks(code: str, requires: Iterable[str]) -> set[str]:
-    """The top-level modules the code imports or requires that the wasm guest lacks."""
+    """The third-party modules the code imports or requires that the wasm guest lacks.
+
+    Standard-library modules never count, even the few the wasm guest cannot provide (ctypes,
+    ssl, multiprocessing, ...): those fail in the wasm guest with a clear ModuleNotFoundError
+    rather than silently moving a stdlib-only program into a VM.
+    """
     wanted = imported_modules(code) | {name.partition(".")[0] for name in requires}
-    return {name for name in wanted if name not in WASM_MODULES}
+    return {name for name in wanted
+            if name not in WASM_MODULES and name not in sys.stdlib_module_names}
 
 
 def needs_microvm(code: str, requires: Iterable[str], vm_modules: Collection[str]) -> bool:

@@ -19,7 +19,7 @@ Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to h
      "fault": None | {"type", "message", "traceback"}, "cpu_s": float,
      "memory_peak_bytes": int, "truncated": [fd, ...]}
 
-``reply`` is the wasm runner's reply, encoded the same way (base64 msgpack, shape in
+``reply`` is the wasm runner's reply, encoded the same way (JSON, shape in
 ``wasibox/_wire.py``), so the host builds the result with the same code for both backends.
 Host to guest, once per VM::
 
@@ -54,7 +54,7 @@ import csv  # noqa: F401
 import dataclasses  # noqa: F401
 import datetime  # noqa: F401
 import decimal  # noqa: F401
-import json  # noqa: F401
+import json
 import math  # noqa: F401
 import re  # noqa: F401
 import statistics  # noqa: F401
@@ -157,8 +157,15 @@ def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
     namespace.update(pristine)
 
 
-def _encode(fields):
-    return base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode("ascii")
+def _encode(exit_code, error, value, memory_error):
+    """The reply, exactly as the wasm runner writes it: a JSON object whose ``value``, if
+    any, is base64 msgpack (so values keep msgpack's exact types)."""
+    fields = {"exit_code": exit_code, "memory_error": memory_error, "heap_top": 0}
+    if error is not None:
+        fields["error"] = error
+    if value is not None:
+        fields["value"] = base64.b64encode(msgpack.packb(value, use_bin_type=True)).decode()
+    return json.dumps(fields, ensure_ascii=True)
 
 
 def _exit_status(code):
@@ -208,16 +215,14 @@ def execute(job):
             pass
     _restore_builtins()
     try:
-        return _encode(dict(exit_code=exit_code, error=error, value=value,
-                            memory_error=memory_error, heap_top=0))
+        return _encode(exit_code, error, value, memory_error)
     except (TypeError, ValueError, OverflowError) as exc:
         if error is None and exit_code == 0:
             error = {"type": "TypeError", "traceback": "",
                      "message": f"the return value of {job.get('entry')!r} is not "
                                 f"msgpack-compatible: {exc}"}
             exit_code = 1
-        return _encode(dict(exit_code=exit_code, error=error, value=None,
-                            memory_error=memory_error, heap_top=0))
+        return _encode(exit_code, error, None, memory_error)
 
 
 def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
@@ -250,7 +255,8 @@ def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
                                       errors="backslashreplace")
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True)
-        gc.unfreeze()
+        # The preloaded stack stays frozen: a collection walking it would cost a second
+        # under emulation, and the child is thrown away after one job anyway.
         reply = execute(job).encode("ascii")
         view = memoryview(reply)
         while view:

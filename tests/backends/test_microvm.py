@@ -135,7 +135,7 @@ def test_requires_selects_the_microvm(vm_runtime: MicroVMRuntime) -> None:
 
 
 def test_timeout_kills_the_vm(vm_runtime: MicroVMRuntime) -> None:
-    limits = VM_LIMITS.replace(timeout_s=3.0)
+    limits = VM_LIMITS.replace(timeout_s=10.0)
     with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
         result = sandbox.run("print('started', flush=True)\nwhile True:\n    pass")
     assert result.limit_exceeded is Limit.TIMEOUT
