@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="grant the host's real clock instead of the virtual one")
     run.add_argument("--real-entropy", action="store_true",
                      help="grant the host's OS entropy instead of the seeded stream")
+    run.add_argument("--backend", choices=("auto", "wasm", "microvm"), default="auto",
+                     help="where to run: wasm, the microVM (numpy, pandas, ...), or auto: "
+                          "wasm unless the code imports what only the microVM has "
+                          "(default: %(default)s)")
+    run.add_argument("--allow-emulation", action="store_true", default=None,
+                     help="let the microVM run under software emulation (TCG) where KVM "
+                          "is not usable; TCG is not a security boundary")
     run.add_argument("--json", action="store_true",
                      help="print the whole result as JSON instead of relaying output")
     run.set_defaults(handler=_cmd_run)
@@ -136,7 +143,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
-                 entropy="real" if args.real_entropy else "seeded") as sandbox:
+                 entropy="real" if args.real_entropy else "seeded", backend=args.backend,
+                 allow_emulation=args.allow_emulation) as sandbox:
         result = sandbox.run(code)
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default, indent=2))
