@@ -34,8 +34,10 @@ def imported_modules(code: str) -> set[str]:
     """
     try:
         tree = ast.parse(code)
-    except (SyntaxError, ValueError):
-        return set()  # the run reports the SyntaxError; no backend can do better
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        # The run reports the error (or hits its limit) in the guest; no backend does better,
+        # and a hostile source must not take the host's parser down.
+        return set()
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

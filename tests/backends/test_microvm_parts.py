@@ -33,6 +33,7 @@ def test_imports_are_found_statically() -> None:
     assert imported_modules(code) == {"numpy", "os", "pandas", "scipy", "importlib", "yaml",
                                       "json"}
     assert imported_modules("def broken(:\n") == set()
+    assert imported_modules("x = " + "1+" * 300000 + "1") == set()  # deeper than the parser
 
 
 @pytest.mark.parametrize(("code", "requires", "expected"), [
