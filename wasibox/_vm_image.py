@@ -332,6 +332,10 @@ def _initramfs_inputs(base: Path) -> list[tuple[str, int, bytes]]:
     entries.append(("bin/busybox", executable, Path(busybox).read_bytes()))
     entries.append(("init", executable, (sources / "init").read_bytes()))
     entries.append(("agent.py", regular, (sources / "agent.py").read_bytes()))
+    # The wasm guest's `import host` module, unchanged: the agent gives it the same channel.
+    entries.append(("host", directory, b""))
+    for module in sorted((sources.parent / "runner" / "host").glob("*.py")):
+        entries.append((f"host/{module.name}", regular, module.read_bytes()))
     for module in sorted((base / "modules").iterdir()):
         entries.append((f"modules/{module.name}", regular, module.read_bytes()))
     return entries

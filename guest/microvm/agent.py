@@ -15,6 +15,7 @@ Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to h
 
     {"kind": "ready", "python": str}
     {"kind": "output", "fd": 1 | 2, "data": bytes}
+    {"kind": "call", "name": str, "payload": bytes}   # a host function or HTTP call
     {"kind": "done", "reply": str | None, "exit_code": int | None, "limit": str | None,
      "fault": None | {"type", "message", "traceback"}, "cpu_s": float,
      "memory_peak_bytes": int, "truncated": [fd, ...]}
@@ -25,6 +26,11 @@ Host to guest, once per VM::
 
     {"kind": "run", "job": <the wasm runner's request>, "output_bytes": int,
      "cpu_s": int, "entropy": bytes, "time_ns": int}
+    {"kind": "result", "ok": bool, "payload": bytes}  # the answer to one "call"
+
+Host functions and HTTP: the child imports the wasm guest's own ``host`` module, whose
+channel here is a pair of pipes to this agent; the agent relays each call to the host and
+the answer back. The host checks every call exactly as it does for the wasm guest.
 
 This file never imports the host package: it is the other side of a trust boundary.
 """
@@ -42,8 +48,10 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
+import types
 
 import msgpack
 
@@ -225,7 +233,78 @@ def execute(job):
         return _encode(exit_code, error, None, memory_error)
 
 
-def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
+class _Err(Exception):
+    """The component binding's ``Err``: the host refused a call (its payload says how)."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        self.value = value
+
+
+#: The child's two pipes to this agent, set after the fork (see ``_child``).
+_HOST_PIPES = {}
+_host_lock = threading.Lock()
+
+
+def _read_pipe_exactly(fd, size):
+    chunks = []
+    while size:
+        data = os.read(fd, min(size, 1 << 20))
+        if not data:
+            raise OSError("the host channel closed")
+        chunks.append(data)
+        size -= len(data)
+    return b"".join(chunks)
+
+
+def _host_call(name, payload):
+    """``wit_world.imports.host.call`` for the VM: one call through the agent to the host."""
+    call_w, result_r = _HOST_PIPES["call_w"], _HOST_PIPES["result_r"]
+    frame = msgpack.packb({"name": name, "payload": payload.encode("latin-1")},
+                          use_bin_type=True)
+    with _host_lock:
+        view = memoryview(struct.pack(">I", len(frame)) + frame)
+        while view:
+            view = view[os.write(call_w, view):]
+        (size,) = struct.unpack(">I", _read_pipe_exactly(result_r, 4))
+        reply = msgpack.unpackb(_read_pipe_exactly(result_r, size), raw=False)
+    answer = reply["payload"].decode("latin-1")
+    if not reply["ok"]:
+        raise _Err(answer)
+    return answer
+
+
+def _load_host_module():
+    """Import the wasm guest's ``host`` module, unchanged, over this agent's channel.
+
+    It talks to ``wit_world.imports.host.call`` and catches ``componentize_py_types.Err``;
+    here those are ``_host_call`` and ``_Err``. Imported before the template snapshot, with
+    the urllib handler installed, as the wasm runner does.
+    """
+    wit_world = types.ModuleType("wit_world")
+    imports = types.ModuleType("wit_world.imports")
+    channel = types.ModuleType("wit_world.imports.host")
+    channel.call = _host_call
+    wit_world.imports = imports
+    imports.host = channel
+    binding_types = types.ModuleType("componentize_py_types")
+    binding_types.Err = _Err
+    sys.modules.update({"wit_world": wit_world, "wit_world.imports": imports,
+                        "wit_world.imports.host": channel,
+                        "componentize_py_types": binding_types})
+    sys.path.insert(0, os.path.dirname(_AGENT_FILE))
+    try:
+        import host
+    except ImportError as exc:
+        print(f"wasibox-agent: no host module: {exc}", flush=True)
+        return
+    host.http.install()
+
+
+_load_host_module()
+
+
+def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, _exit=os._exit):
     """In the forked child: drop privileges, run the job, write the reply, exit.
 
     Never returns, whatever the job did to this interpreter: ``_exit`` is bound early.
@@ -245,8 +324,12 @@ def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, reply_w)
-        os.closerange(reply_w + 1, 1 << 16)
+        keep = sorted({reply_w, call_w, result_r})
+        low = 3
+        for fd in keep:
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 1 << 16)
         os.chdir("/tmp")
         os.environ.clear()
         os.environ.update(HOME="/tmp", PATH="/usr/bin:/bin", LANG="C.UTF-8", TMPDIR="/tmp")
@@ -255,6 +338,7 @@ def _child(job, cpu_s, out_w, err_w, reply_w, _exit=os._exit):
                                       errors="backslashreplace")
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True)
+        _HOST_PIPES.update(call_w=call_w, result_r=result_r)
         # The preloaded stack stays frozen: a collection walking it would cost a second
         # under emulation, and the child is thrown away after one job anyway.
         reply = execute(job).encode("ascii")
@@ -305,18 +389,21 @@ def serve(channel, request):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     reply_r, reply_w = os.pipe()
+    call_r, call_w = os.pipe()
+    result_r, result_w = os.pipe()
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
         os.close(channel.fd)
-        for fd in (out_r, err_r, reply_r):
+        for fd in (out_r, err_r, reply_r, call_r, result_w):
             os.close(fd)
-        _child(job, cpu_s, out_w, err_w, reply_w)
-    for fd in (out_w, err_w, reply_w):
+        _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r)
+    for fd in (out_w, err_w, reply_w, call_w, result_r):
         os.close(fd)
+    calls = bytearray()
     pidfd = os.pidfd_open(pid)
     streams = {out_r: 1, err_r: 2}
-    open_fds = {out_r, err_r, reply_r}
+    open_fds = {out_r, err_r, reply_r, call_r}
     reply = bytearray()
     limit = None
     fault = None
@@ -325,6 +412,42 @@ def serve(channel, request):
 
     def relay(fd, data):
         nonlocal output_room, limit, killed_by_agent
+        if fd == call_r:
+            calls.extend(data)
+            while len(calls) >= 4:
+                (size,) = struct.unpack(">I", calls[:4])
+                if size > MAX_REQUEST_BYTES:
+                    raise OverflowError
+                if len(calls) < 4 + size:
+                    break
+                request = msgpack.unpackb(bytes(calls[4:4 + size]), raw=False)
+                del calls[:4 + size]
+                # Output written before the call reaches the host before the call does.
+                while True:
+                    pending = [fd for fd in (out_r, err_r) if fd in open_fds]
+                    ready, _, _ = select.select(pending, [], [], 0)
+                    if not ready:
+                        break
+                    for stream in ready:
+                        data = os.read(stream, OUTPUT_CHUNK)
+                        if data:
+                            relay(stream, data)
+                        else:
+                            open_fds.discard(stream)
+                # Relayed as is: the host checks the name, the payload and the limits.
+                channel.send({"kind": "call", "name": request.get("name"),
+                              "payload": request.get("payload")})
+                answer = channel.receive()
+                frame = msgpack.packb({"ok": bool(answer.get("ok")),
+                                       "payload": answer.get("payload", b"")},
+                                      use_bin_type=True)
+                view = memoryview(struct.pack(">I", len(frame)) + frame)
+                try:
+                    while view:
+                        view = view[os.write(result_w, view):]
+                except OSError:
+                    pass
+            return
         if fd == reply_r:
             if len(reply) + len(data) > MAX_REPLY_BYTES:
                 raise OverflowError

@@ -7,11 +7,13 @@ number of VM runs here is kept small: each test asserts several things about one
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 
@@ -135,7 +137,7 @@ def test_requires_selects_the_microvm(vm_runtime: MicroVMRuntime) -> None:
 
 
 def test_timeout_kills_the_vm(vm_runtime: MicroVMRuntime) -> None:
-    limits = VM_LIMITS.replace(timeout_s=10.0)
+    limits = VM_LIMITS.replace(timeout_s=15.0)
     with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
         result = sandbox.run("print('started', flush=True)\nwhile True:\n    pass")
     assert result.limit_exceeded is Limit.TIMEOUT
@@ -178,7 +180,7 @@ def test_fork_bomb_is_contained(vm_runtime: MicroVMRuntime) -> None:
             except OSError:
                 pass
     """)
-    limits = VM_LIMITS.replace(timeout_s=8.0)
+    limits = VM_LIMITS.replace(timeout_s=15.0)
     with wasibox.Sandbox(limits, backend="microvm", allow_emulation=True) as sandbox:
         result = sandbox.run(code)
     assert result.limit_exceeded is Limit.TIMEOUT
@@ -276,4 +278,93 @@ def test_no_vm_survives_its_host_process(vm_runtime: MicroVMRuntime) -> None:
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
+    _no_orphans()
+
+
+# -- capabilities over the channel: the same host-side policy code as wasm ---------------------
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the http.server protocol
+        body = b'{"rows": [1, 2, 3]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def http_server() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_host_functions_and_http_from_inside_the_vm(vm_runtime: MicroVMRuntime,
+                                                     http_server: int) -> None:
+    def lookup(customer_id: int) -> dict[str, object]:
+        return {"id": customer_id, "name": "Ada", "raw": b"\x00\xff"}
+
+    def fails() -> None:
+        raise FileNotFoundError(2, "No such file", "/etc/secret/host/path")
+
+    policy = wasibox.HttpPolicy(allow=[f"data.test:{http_server}"],
+                                resolver=lambda name: ["127.0.0.1"], allow_loopback=["data.test"])
+    code = textwrap.dedent(f"""
+        import host, urllib.request
+        import numpy as np
+        print(host.lookup(7))
+        try:
+            host.missing()
+        except host.CapabilityDenied as exc:
+            print("denied", exc)
+        try:
+            host.fails()
+        except host.HostError as exc:
+            print("host error", exc.type, "/etc/secret" in exc.message)
+        response = host.http.request("GET", "http://data.test:{http_server}/rows")
+        print(int(np.sum(response.json()["rows"])))
+        with urllib.request.urlopen("http://data.test:{http_server}/rows") as response:
+            print(response.status)
+        try:
+            host.http.request("GET", "http://169.254.169.254/latest/meta-data")
+        except host.CapabilityDenied:
+            print("metadata denied")
+    """)
+    with wasibox.Sandbox(VM_LIMITS, allow_emulation=True, http=policy,
+                         functions={"lookup": lookup, "fails": fails}) as sandbox:
+        result = sandbox.run(code)
+    assert result.ok, result
+    assert result.backend == "microvm"
+    assert result.stdout.splitlines() == [
+        "{'id': 7, 'name': 'Ada', 'raw': b'\\x00\\xff'}",
+        "denied not permitted by the sandbox's policy",
+        "host error FileNotFoundError False",
+        "6",
+        "200",
+        "metadata denied",
+    ]
+    log = [(event.capability, event.allowed) for event in result.capability_log]
+    assert ("function", True) in log and ("function", False) in log
+    assert ("http", True) in log and ("http", False) in log
+
+
+def test_host_call_limit_ends_a_vm_run(vm_runtime: MicroVMRuntime) -> None:
+    limits = VM_LIMITS.replace(host_calls=3)
+    code = "import host, numpy\nfor i in range(10):\n    host.echo(i)\n    print(i, flush=True)"
+    with wasibox.Sandbox(limits, allow_emulation=True,
+                         functions={"echo": lambda value: value}) as sandbox:
+        result = sandbox.run(code)
+    assert result.limit_exceeded is Limit.HOST_CALLS
+    assert result.stdout == "0\n1\n2\n"
+    assert len(result.capability_log) == 3
     _no_orphans()

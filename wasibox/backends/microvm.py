@@ -30,6 +30,12 @@ Threat model, in layers:
   are decoded, the reply is checked by the shared wire code, the output cap and the timeout
   are enforced by the host whatever the agent says, and the console is kept in a bounded ring.
 
+Capabilities: host functions and mediated HTTP travel over the VM's channel. The child runs
+the wasm guest's own ``import host`` module (``guest/runner/host/``) over a pipe to the
+agent, which relays each call as a frame; the host answers it with the same
+``HostCalls``/``HttpGate`` code the wasm backend uses, so policy, limits and the capability
+log are identical. Mounts are not supported in the VM yet (a UsageError says so).
+
 Residual risk: QEMU 7.2 cannot open the template's RAM file read-only and still map it
 writable-private, so a QEMU compromised by a guest could write to the template file it was
 restored from. The template is mapped private (``share=off``), so the guest itself cannot.
@@ -68,7 +74,10 @@ from typing import Any, Literal
 import msgpack
 
 from .._errors import UsageError, WasiboxError
+from .._events import CapabilityEvent
 from .._guest import cache_dir, file_lock
+from .._hostcall import HostCalls, StopRun
+from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
@@ -81,9 +90,9 @@ __all__ = ["ALLOW_EMULATION_ENV", "FUEL_PER_CPU_SECOND", "MIN_MEMORY_BYTES", "En
            "vm_modules"]
 
 Accelerator = Literal["kvm", "tcg"]
-#: Fuel is wasm's CPU budget; in a VM it becomes CPU seconds at this rate (roughly what the
-#: wasm guest burns per second of CPU on the machines wasibox was measured on).
-FUEL_PER_CPU_SECOND = 1_000_000_000
+#: Fuel is wasm's CPU budget; in a VM it becomes guest CPU seconds at this rate: what the wasm
+#: guest burned per CPU second in a pure-Python loop on the reference machine (1.4-1.8e9).
+FUEL_PER_CPU_SECOND = 1_500_000_000
 #: The smallest VM that boots the agent with numpy and pandas imported, with room to work.
 MIN_MEMORY_BYTES = 192 * 2**20
 CONSOLE_RING_BYTES = 64 * 2**10
@@ -568,9 +577,26 @@ def _listen(path: Path) -> socket.socket:
     return listener
 
 
+_RUN_PREFIX = "wasibox-vm-"
+
+
+def _reap_stale_run_directories() -> None:
+    """Remove run directories left by host processes that died (their VMs died with them)."""
+    for entry in Path(tempfile.gettempdir()).glob(f"{_RUN_PREFIX}*-*"):
+        owner = entry.name.removeprefix(_RUN_PREFIX).partition("-")[0]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 @contextlib.contextmanager
 def _run_directory() -> Iterator[RunPaths]:
-    directory = Path(tempfile.mkdtemp(prefix="wasibox-vm-"))
+    directory = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-"))
     try:
         yield RunPaths(directory)
     finally:
@@ -585,6 +611,7 @@ class MicroVMRuntime:
     def __init__(self, config: ImageConfig | None = None, *, engine: Engine | None = None,
                  progress: Reporter | None = None) -> None:
         self.progress = progress or stderr_reporter()
+        _reap_stale_run_directories()
         self.engine = engine or QemuMicrovm()
         self.image = ensure_image(config, self.progress)
         self.accel = self._accelerator()
@@ -789,10 +816,9 @@ class MicroVMBackend(Backend):
 
     def execute(self, job: Job) -> Outcome:
         self.check_allowed()
-        if job.policy.mounts or job.policy.functions or job.policy.http is not None:
-            raise UsageError("mounts, host functions and HTTP are not supported by the "
-                             "microVM backend yet; run code that needs them on "
-                             "backend='wasm'")
+        if job.policy.mounts:
+            raise UsageError("mounts are not supported by the microVM backend yet; run code "
+                             "that needs them on backend='wasm'")
         limits = job.limits
         if limits.memory_bytes < MIN_MEMORY_BYTES:
             raise UsageError(
@@ -815,15 +841,22 @@ class MicroVMBackend(Backend):
         with _run_directory() as paths:
             started = time.perf_counter()
             deadline = time.monotonic() + limits.timeout_s
+            policy = job.policy
+            log: list[CapabilityEvent] = []
+            calls = HostCalls(functions=policy.functions, limits=limits,
+                              http=HttpGate(policy.http) if policy.http is not None else None,
+                              log=log)
             vm = runtime.restore(memory_mib, paths)
             try:
-                return self._drive(vm, request, limits.output_bytes, limits.memory_bytes,
-                                   deadline, started)
+                outcome = self._drive(vm, request, calls, limits.output_bytes,
+                                      limits.memory_bytes, deadline, started)
             finally:
                 vm.kill()
+            outcome.capability_log = tuple(log)
+            return outcome
 
-    def _drive(self, vm: _VM, request: dict[str, Any], output_bytes: int, memory_bytes: int,
-               deadline: float, started: float) -> Outcome:
+    def _drive(self, vm: _VM, request: dict[str, Any], calls: HostCalls, output_bytes: int,
+               memory_bytes: int, deadline: float, started: float) -> Outcome:
         outcome = Outcome(memory_limit_bytes=memory_bytes, isolation=self.runtime.accel)
         sinks = {1: bytearray(), 2: bytearray()}
         room = output_bytes
@@ -850,6 +883,17 @@ class MicroVMBackend(Backend):
                                     "stderr_truncated", True)
                             outcome.limit_exceeded = Limit.OUTPUT
                             break
+                    elif kind == "call":
+                        name, payload = frame.get("name"), frame.get("payload")
+                        if not isinstance(name, str) or not isinstance(payload, bytes):
+                            raise ValueError("a malformed host call")
+                        try:
+                            answer = calls.handle(name, payload.decode("latin-1"), deadline)
+                        except StopRun as stop:
+                            outcome.limit_exceeded = stop.limit
+                            break
+                        vm.send({"kind": "result", "ok": answer.ok,
+                                 "payload": answer.payload.encode("latin-1")})
                     elif kind == "done":
                         done = frame
                         break
