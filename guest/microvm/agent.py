@@ -191,7 +191,13 @@ def _exit_status(code):
 
 def execute(job):
     """Run one job (the wasm runner's request) and return the encoded reply."""
-    random.seed(job.get("seed"))
+    seed = job.get("seed")
+    random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
+    numpy_module = sys.modules.get("numpy")
+    if numpy_module is not None:
+        # numpy's global generator was seeded when the template imported it: every run would
+        # otherwise draw the same stream. Seeded like ``random``; None draws fresh entropy.
+        numpy_module.random.seed(None if seed is None else seed & 0xFFFFFFFF)
     code = job["code"]
     linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
