@@ -11,6 +11,7 @@ import wasibox
 EXPECTED = {
     "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded", "Limits",
     "RunResult", "Sandbox", "SandboxClosed", "UsageError", "WasiboxError", "guest_digest", "run",
+    "Busy", "RunHandle", "RunState",
 }
 
 
@@ -23,7 +24,8 @@ def test_exported_names() -> None:
 
 
 def test_error_tree_has_one_root() -> None:
-    for name in ("GuestBuildError", "GuestError", "LimitExceeded", "SandboxClosed", "UsageError"):
+    for name in ("Busy", "GuestBuildError", "GuestError", "LimitExceeded", "SandboxClosed",
+                 "UsageError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
 
@@ -38,7 +40,8 @@ def test_no_wasmtime_type_in_public_signatures() -> None:
 
 def test_limit_is_a_str_enum() -> None:
     assert wasibox.Limit.FUEL == "fuel"
-    assert {limit.value for limit in wasibox.Limit} == {"fuel", "timeout", "memory", "output"}
+    assert {limit.value for limit in wasibox.Limit} == {"fuel", "timeout", "memory", "output",
+                                                    "cancelled"}
 
 
 def test_limits_normalise_shorthand_once() -> None:

@@ -5,7 +5,10 @@
 '2\\n'
 """
 
+from ._concurrency import RunHandle
+from ._control import RunState
 from ._errors import (
+    Busy,
     GuestBuildError,
     GuestError,
     LimitExceeded,
@@ -20,13 +23,16 @@ from ._sandbox import Sandbox, run
 from ._version import __version__ as __version__
 
 __all__ = [
+    "Busy",
     "GuestBuildError",
     "GuestError",
     "GuestException",
     "Limit",
     "LimitExceeded",
     "Limits",
+    "RunHandle",
     "RunResult",
+    "RunState",
     "Sandbox",
     "SandboxClosed",
     "UsageError",

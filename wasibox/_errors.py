@@ -6,6 +6,7 @@
     ├── GuestError                guest code raised (or exited non-zero); carries its traceback
     ├── LimitExceeded             a run hit a limit; ``.limit`` says which, ``.result`` the rest
     ├── GuestBuildError           the guest component could not be built or loaded
+    ├── Busy                      max_concurrency runs are active and max_queue more wait
     ├── SandboxClosed             the Sandbox was used after ``close()``
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from ._result import GuestException, RunResult
 
 __all__ = [
+    "Busy",
     "GuestBuildError",
     "GuestError",
     "LimitExceeded",
@@ -47,6 +49,17 @@ class SandboxClosed(UsageError):
 
 class GuestBuildError(WasiboxError):
     """The guest component could not be built, compiled or loaded."""
+
+
+class Busy(WasiboxError):
+    """A run was refused at once: the Sandbox already runs ``max_concurrency`` runs and
+    ``max_queue`` more are waiting. Nothing was started; retry later (a server answers 429)."""
+
+    def __init__(self, max_concurrency: int, max_queue: int) -> None:
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        super().__init__(f"the sandbox is busy: {max_concurrency} runs are active and "
+                         f"{max_queue} are queued; retry later")
 
 
 class GuestError(WasiboxError):

@@ -19,6 +19,8 @@ class Limit(enum.StrEnum):
     TIMEOUT = "timeout"  #: wall-clock time, including time spent sleeping
     MEMORY = "memory"  #: the guest's linear memory
     OUTPUT = "output"  #: bytes written to stdout and stderr together
+    #: the caller cancelled the run (``RunHandle.cancel()`` or cancelling the awaiting task)
+    CANCELLED = "cancelled"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

@@ -6,9 +6,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ._concurrency import RunHandle, Runner
+from ._control import RunControl
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
-from ._limits import Limits
-from ._result import GuestException, RunResult, build_result
+from ._limits import Limit, Limits
+from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
 __all__ = ["Sandbox", "run"]
@@ -22,12 +24,17 @@ class Sandbox:
 
     The guest gets nothing by default: no files, network, environment or real clock. Runs
     are deterministic unless ``clock="real"`` or ``entropy="real"`` grants the host's.
-    One Sandbox may be used from several threads at once.
+    One Sandbox may be used from several threads and tasks at once. With
+    ``max_concurrency=N``, at most N runs execute at a time, up to ``max_queue`` more wait
+    for a slot, and any further run raises Busy at once; the Wasmtime backend then keeps N
+    instances warm. ``arun``/``acall`` are the async twins of ``run``/``call``; ``start``
+    returns a ``RunHandle`` to await, wait for or cancel.
 
     States: open from construction until ``close()`` (or the end of a ``with`` block);
     closed afterwards, when every method but ``close`` raises SandboxClosed.
 
-    Raises UsageError for an unknown backend, clock or entropy setting.
+    Raises UsageError for an unknown backend, clock or entropy setting, or a bad
+    max_concurrency or max_queue.
     """
 
     def __init__(
@@ -38,6 +45,8 @@ class Sandbox:
         clock: Literal["virtual", "real"] = "virtual",
         entropy: Literal["seeded", "real"] = "seeded",
         backend: Literal["wasm"] | Backend = "wasm",
+        max_concurrency: int | None = None,
+        max_queue: int = 0,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -49,7 +58,9 @@ class Sandbox:
             raise UsageError(f"seed must be an int, not {seed!r}")
         self.limits = limits or Limits()
         self.policy = Policy(seed=seed, clock=clock, entropy=entropy)
-        self._backend = _make_backend(backend)
+        self._backend = _make_backend(backend, pool_size=max_concurrency)
+        self._runner = Runner(self._execute, self._cancelled_result,
+                              max_concurrency=max_concurrency, max_queue=max_queue)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -67,16 +78,26 @@ class Sandbox:
         ``limits.source_bytes``, or if the arguments cannot cross the boundary, and
         SandboxClosed after ``close()``.
         """
-        code = self._check_source(code)
-        if entry is None:
-            if args or kwargs:
-                raise UsageError("args and kwargs need an entry function to pass them to")
-            return self._execute(Job(op="run", code=code, limits=self.limits,
-                                     policy=self.policy))
-        if not isinstance(entry, str) or not entry.isidentifier():
-            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return self._execute(Job(op="call", code=code, limits=self.limits, policy=self.policy,
-                                 entry=entry, args=tuple(args), kwargs=dict(kwargs or {})))
+        return self._runner.run(self._job(code, entry, args, kwargs))
+
+    async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> RunResult:
+        """``run`` for async code: the run executes on a worker thread; the loop never blocks.
+
+        Cancelling the awaiting task stops the guest promptly, frees its instance, and then
+        raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
+        """
+        return await self.start(code, entry=entry, args=args, kwargs=kwargs)
+
+    def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
+              kwargs: Mapping[str, Any] | None = None) -> RunHandle:
+        """Start a run on a worker thread and return its handle at once.
+
+        ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
+        stops it (its result then says ``limit_exceeded == "cancelled"``). Raises Busy if
+        the queue is full, and UsageError/SandboxClosed as ``run`` does.
+        """
+        return self._runner.start(self._job(code, entry, args, kwargs))
 
     def call(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run ``code``, then call its function ``entry`` with the arguments; return its value.
@@ -86,12 +107,17 @@ class Sandbox:
         """
         return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs))
 
+    async def acall(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``call`` for async code; raises as ``call`` and ``arun`` do."""
+        return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs))
+
     def close(self) -> None:
         """Close the sandbox; idempotent. Runs already in progress finish normally."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._runner.close()
         self._backend.close()
 
     def __enter__(self) -> Sandbox:
@@ -121,8 +147,26 @@ class Sandbox:
                              f"{self.limits.source_bytes}; raise Limits.source_bytes to allow it")
         return code
 
-    def _execute(self, job: Job) -> RunResult:
-        return build_result(self._backend.execute(job), self._backend.name, REPLY_LIMIT_BYTES)
+    def _job(self, code: str, entry: str | None, args: Sequence[Any],
+             kwargs: Mapping[str, Any] | None) -> Job:
+        """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
+        code = self._check_source(code)
+        if entry is None:
+            if args or kwargs:
+                raise UsageError("args and kwargs need an entry function to pass them to")
+            return Job(op="run", code=code, limits=self.limits, policy=self.policy)
+        if not isinstance(entry, str) or not entry.isidentifier():
+            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
+        return Job(op="call", code=code, limits=self.limits, policy=self.policy,
+                   entry=entry, args=tuple(args), kwargs=dict(kwargs or {}))
+
+    def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
+        return build_result(self._backend.execute(job, control), self._backend.name,
+                            REPLY_LIMIT_BYTES)
+
+    def _cancelled_result(self, job: Job) -> RunResult:
+        return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
+                            REPLY_LIMIT_BYTES)
 
 
 def unwrap(result: RunResult) -> Any:
@@ -137,13 +181,13 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
-def _make_backend(backend: str | Backend) -> Backend:
+def _make_backend(backend: str | Backend, *, pool_size: int | None = None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     if backend == "wasm":
         from .backends.wasm import WasmBackend
 
-        return WasmBackend()
+        return WasmBackend(pool_size=pool_size)
     raise UsageError(f"backend must be 'wasm' or a Backend instance, not {backend!r}")
 
 

@@ -6,6 +6,7 @@ import abc
 import dataclasses
 from typing import Any, Literal
 
+from .._control import RunControl
 from .._limits import Limits
 from .._result import Outcome
 
@@ -68,8 +69,13 @@ class Backend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def execute(self, job: Job) -> Outcome:
-        """Run ``job`` in a fresh guest and report what happened."""
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
+        """Run ``job`` in a fresh guest and report what happened.
+
+        With ``control``, report each phase entered (``control.enter``) and stop the guest
+        promptly when it is cancelled (``control.on_cancel``), reporting
+        ``Limit.CANCELLED``; the guest instance is discarded either way.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release the backend's resources. Safe to call more than once."""
