@@ -11,7 +11,7 @@ import wasibox
 EXPECTED = {
     "GuestBuildError", "GuestError", "GuestException", "Limit", "LimitExceeded", "Limits",
     "RunResult", "Sandbox", "SandboxClosed", "UsageError", "WasiboxError", "guest_digest", "run",
-    "Busy", "RunHandle", "RunState",
+    "Busy", "ConfigError", "RunHandle", "RunState",
 }
 
 
@@ -24,10 +24,11 @@ def test_exported_names() -> None:
 
 
 def test_error_tree_has_one_root() -> None:
-    for name in ("Busy", "GuestBuildError", "GuestError", "LimitExceeded", "SandboxClosed",
-                 "UsageError"):
+    for name in ("Busy", "ConfigError", "GuestBuildError", "GuestError", "LimitExceeded",
+                 "SandboxClosed", "UsageError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
+    assert issubclass(wasibox.ConfigError, wasibox.UsageError)
 
 
 def test_no_wasmtime_type_in_public_signatures() -> None:

@@ -9,6 +9,7 @@ from ._concurrency import RunHandle
 from ._control import RunState
 from ._errors import (
     Busy,
+    ConfigError,
     GuestBuildError,
     GuestError,
     LimitExceeded,
@@ -24,6 +25,7 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "Busy",
+    "ConfigError",
     "GuestBuildError",
     "GuestError",
     "GuestException",

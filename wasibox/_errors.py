@@ -7,8 +7,9 @@
     ├── LimitExceeded             a run hit a limit; ``.limit`` says which, ``.result`` the rest
     ├── GuestBuildError           the guest component could not be built or loaded
     ├── Busy                      max_concurrency runs are active and max_queue more wait
-    ├── SandboxClosed             the Sandbox was used after ``close()``
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
+        ├── SandboxClosed         the Sandbox was used after ``close()``
+        └── ConfigError           a service configuration file is invalid (names the key)
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Busy",
+    "ConfigError",
     "GuestBuildError",
     "GuestError",
     "LimitExceeded",
@@ -45,6 +47,11 @@ class UsageError(WasiboxError):
 
 class SandboxClosed(UsageError):
     """A Sandbox was used after it was closed."""
+
+
+class ConfigError(UsageError):
+    """A service configuration file could not be read or is invalid; the message names
+    each bad key (``tenants.alice.limits.fuel: ...``)."""
 
 
 class GuestBuildError(WasiboxError):

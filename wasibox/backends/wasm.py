@@ -422,6 +422,11 @@ class WasmRuntime:
 
         return release
 
+    def pool_status(self) -> tuple[int, int]:
+        """(instances ready in the warm pool, instances it aims to keep ready)."""
+        with self._pool_cond:
+            return len(self._pool), self._pool_size
+
     def _resize_pool(self) -> None:
         self._pool_size = max([self._base_pool_size, *self._pool_requests.values()])
         while len(self._pool) > self._pool_size:
