@@ -75,8 +75,9 @@ class Sandbox:
 
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
-        ``limits.source_bytes``, or if the arguments cannot cross the boundary, and
-        SandboxClosed after ``close()``.
+        ``limits.source_bytes``, or if the arguments cannot cross the boundary, Busy if
+        ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
+        after ``close()``.
         """
         return self._runner.run(self._job(code, entry, args, kwargs))
 
@@ -112,7 +113,8 @@ class Sandbox:
         return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs))
 
     def close(self) -> None:
-        """Close the sandbox; idempotent. Runs already in progress finish normally."""
+        """Close the sandbox; idempotent. Runs already in progress finish normally; runs
+        still queued end at once as cancelled."""
         with self._lock:
             if self._closed:
                 return

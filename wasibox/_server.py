@@ -502,7 +502,10 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8080, *,
         app = create_app(config, on_ready=ready)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, server_header=False,
-            lifespan="on", timeout_graceful_shutdown=10))
+            lifespan="on", timeout_graceful_shutdown=10,
+            # Longer than clients' idle timeouts, so a client never sends on a connection
+            # the server is closing at that moment (the request would be lost).
+            timeout_keep_alive=75))
         server.run(sockets=[sock])
     finally:
         sock.close()
