@@ -90,6 +90,28 @@ def _parser() -> argparse.ArgumentParser:
                     "instant.")
     prepare.set_defaults(handler=_cmd_prepare)
 
+    serve = commands.add_parser(
+        "serve", help="serve runs over HTTP to tenants defined in a config file",
+        description="Serve POST /v1/run and /v1/call (JSON in, RunResult out), GET /healthz, "
+                    "GET /metrics (Prometheus) and /openapi.json, with uvicorn. Every /v1/ "
+                    "request needs a tenant's bearer token; each tenant has its own limits, "
+                    "grants, concurrency, queue and rate limit (see the README's "
+                    "'wasibox serve' section for the config file). Logs one JSON line per run "
+                    "on stderr.",
+        epilog="example:\n  wasibox serve --config wasibox.toml --host 127.0.0.1 --port 8080\n"
+               "  printf %s \"$TOKEN\" | sha256sum    # the token_sha256 of a tenant",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", required=True, metavar="FILE",
+                       help="the TOML configuration (tenants, tokens, limits)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8080,
+                       help="port to listen on; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"],
+                       help="level of the per-run log lines (default: %(default)s)")
+    serve.set_defaults(handler=_cmd_serve)
+
     doctor = commands.add_parser(
         "doctor", help="report versions, the guest's state and what this machine supports",
         description="Report the Python, wasmtime and componentize-py versions, the guest "
@@ -175,6 +197,17 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     print(f"guest sha256 {artifact.digest}")
     print(f"guest minimum memory {rt.min_memory_bytes} bytes")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ._server import serve
+
+    try:
+        return serve(args.config, args.host, args.port, log_level=args.log_level)
+    except OSError as exc:
+        print(f"wasibox: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
