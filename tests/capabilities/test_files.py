@@ -709,3 +709,57 @@ def test_nested_guest_paths_make_virtual_directories(tree: dict[str, Path]) -> N
                         os.listdir("/mnt/inputs/data/sub"), code]
         """)
         assert value == [["mnt"], ["inputs"], True, ["deeper"], "EACCES"]
+
+
+def test_scratch_is_private_to_each_run_and_discarded(tree: dict[str, Path], fds: int) -> None:
+    code = """
+        import os, tempfile
+        def main():
+            before = os.listdir("/tmp")
+            with tempfile.NamedTemporaryFile("w+", suffix=".txt") as f:
+                f.write("scratch data")
+                f.seek(0)
+                data = f.read()
+            with open("/tmp/left.txt", "w") as f:
+                f.write("left behind")
+            return [before, data, tempfile.gettempdir()]
+    """
+    with wasibox.Sandbox(mounts=[wasibox.Mount(tree["data"], "/data"),
+                                 wasibox.Mount(tree["out"], "/out", writable=True),
+                                 wasibox.Mount.scratch("/tmp", quota_bytes="1MiB")]) as sb:
+        scratch_dirs = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("wasibox-scratch-*"))
+        assert call(sb, code) == [[], "scratch data", "/tmp"]
+        r = sb.run(textwrap.dedent(code), entry="main")
+        assert r.value[0] == [] and r.files == []  # nothing persisted, nothing published
+        assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("wasibox-scratch-*")) == \
+            scratch_dirs
+        assert_healthy(sb, tree, fds)
+    with pytest.raises(wasibox.UsageError, match="writable"):
+        wasibox.Mount(None, "/tmp")
+
+
+def test_directory_nesting_is_capped(tree: dict[str, Path], fds: int) -> None:
+    from wasibox._files import MAX_DEPTH
+    with sandbox(tree) as sb:
+        value = call(sb, f"""
+            import os
+            def main():
+                path = "/out"
+                for depth in range({MAX_DEPTH} + 5):
+                    path += "/d"
+                    try:
+                        os.mkdir(path)
+                    except OSError as exc:
+                        return [depth, errorcode[exc.errno]]
+        """)
+        assert value == [MAX_DEPTH, "ENAMETOOLONG"]
+        assert_healthy(sb, tree, fds)
+    # A tree planted deeper than that (by a backend that writes the staging tree directly)
+    # is refused at publishing, not walked.
+    with FileSession([wasibox.Mount(tree["out"], "/out", writable=True)], 8) as session:
+        deep = session.trees["/out"].joinpath(*["e"] * (MAX_DEPTH + 3))
+        deep.mkdir(parents=True)
+        (deep / "f.txt").write_text("deep")
+        records, refused = session.publish()
+    assert [r.reason for r in refused] == ["nested too deep"]
+    assert records == []
