@@ -72,7 +72,8 @@ end of the run.
 
 This module is backend-agnostic: it knows nothing about wasmtime. A backend exposes the
 ``FileSession`` operations to its guest (the wasm backend as host functions); a backend whose
-guest writes to a real directory can hand it :attr:`_Mounted.tree` and reuse ``publish``.
+guest writes to a real directory can share :attr:`FileSession.trees` with it and reuse
+``publish``, whose refusals exist for exactly that case.
 """
 
 from __future__ import annotations
@@ -1278,11 +1279,19 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
 
 def run_with_files(job: Job, execute: Callable[[Job], RunResult]) -> RunResult:
     """Run ``job`` with a file session for its mounts, then publish (if the result is ok)
-    or discard the staging. Without mounts, just runs it."""
+    or discard the staging. Without mounts, just runs it.
+
+    Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
+    """
     mounts = job.policy.mounts
     if not mounts:
         return execute(job)
-    with FileSession(mounts, job.limits.open_files) as session:
+    try:
+        session = FileSession(mounts, job.limits.open_files)
+    except OSError as exc:
+        raise UsageError(f"a mount's host directory cannot be used: {exc.strerror} "
+                         f"({exc.filename})") from None
+    with session:
         result = execute(dataclasses.replace(job, files=session))
         if not result.ok:
             return result

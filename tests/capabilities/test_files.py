@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import os
 import stat
 import subprocess
@@ -763,3 +764,28 @@ def test_directory_nesting_is_capped(tree: dict[str, Path], fds: int) -> None:
         records, refused = session.publish()
     assert [r.reason for r in refused] == ["nested too deep"]
     assert records == []
+
+
+def test_a_vanished_host_directory_is_a_usage_error(tree: dict[str, Path]) -> None:
+    with sandbox(tree) as sb:
+        tree["data"].rename(tree["root"] / "moved")
+        with pytest.raises(wasibox.UsageError, match="host directory"):
+            sb.run("pass")
+
+
+def test_command_line_mounts(tree: dict[str, Path]) -> None:
+    from tests.test_cli import wasibox_cli
+
+    code = ("import tempfile\n"
+            "open('/out/n.txt', 'w').write(open('/data/in.csv').read().upper())\n"
+            "print(tempfile.gettempdir())")
+    done = wasibox_cli("run", "--mount", f"{tree['data']}:/data",
+                       "--mount", f"{tree['out']}:/out:rw", "--scratch", "/tmp", "--json",
+                       "-c", code)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["stdout"] == "/tmp\n"
+    assert [f["path"] for f in result["files"]] == ["/out/n.txt"]
+    assert (tree["out"] / "n.txt").read_text() == "A,B\n1,2\n3,4\n"
+    bad = wasibox_cli("run", "--mount", "nowhere", "-c", "pass")
+    assert bad.returncode == 2 and "--mount takes" in bad.stderr
