@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ._errors import WasiboxError
+from ._errors import UsageError, WasiboxError
+from ._files import Mount
 from ._limits import Limits
 from ._terminal import inert
 from ._version import __version__
@@ -41,6 +42,7 @@ examples:
   wasibox run script.py
   wasibox run -c 'print(sum(range(10)))'
   wasibox run --timeout 1 --json -c 'while True: pass'
+  wasibox run --mount ./data:/data --mount ./out:/out:rw --scratch /tmp report.py
 """
 
 
@@ -81,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="grant the host's OS entropy instead of the seeded stream")
     run.add_argument("--json", action="store_true",
                      help="print the whole result as JSON instead of relaying output")
+    files = run.add_argument_group("files (the guest has none unless granted)")
+    files.add_argument("--mount", action="append", default=[], metavar="HOST:GUEST[:rw]",
+                       help="show host directory HOST to the guest at GUEST, read-only unless "
+                            "':rw' is added (then its changes are published only if the run "
+                            "ends ok); repeatable")
+    files.add_argument("--scratch", metavar="GUEST",
+                       help="a private, empty, writable directory at GUEST (e.g. /tmp), "
+                            "thrown away after the run")
     run.set_defaults(handler=_cmd_run)
 
     prepare = commands.add_parser(
@@ -153,8 +163,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
+    mounts = [_mount(text) for text in args.mount]
+    if args.scratch:
+        mounts.append(Mount.scratch(args.scratch))
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
-                 entropy="real" if args.real_entropy else "seeded") as sandbox:
+                 entropy="real" if args.real_entropy else "seeded", mounts=mounts) as sandbox:
         result = sandbox.run(code)
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default, indent=2))
@@ -176,6 +189,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _relay(stream: TextIO, guest_text: str) -> None:
     """Write guest text; to a terminal only with its control sequences made inert."""
     stream.write(inert(guest_text) if stream.isatty() else guest_text)
+def _mount(text: str) -> Mount:
+    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
+    host, _, rest = text.partition(":")
+    guest, _, mode = rest.partition(":")
+    if not host or not guest or mode not in ("", "ro", "rw"):
+        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
+    return Mount(host, guest, writable=mode == "rw")
 
 
 def _json_default(value: Any) -> Any:

@@ -330,7 +330,7 @@ def _subscribe(run: _Run, context: Any, ns: int) -> None:
 _FILE_OPS = (
     ("open", "open", False), ("read", "read", True), ("write", "write", False),
     ("seek", "seek", False), ("truncate", "truncate", False), ("close", "close_fd", False),
-    ("fstat", "fstat", False), ("stat", "stat", False), ("readdir", "readdir", True),
+    ("fstat", "fstat", True), ("stat", "stat", True), ("readdir", "readdir", True),
     ("mkdir", "mkdir", False), ("unlink", "unlink", False), ("rmdir", "rmdir", False),
     ("rename", "rename", False), ("chmod", "chmod", False), ("utime", "utime", False),
     ("link", "link", False), ("symlink", "symlink", False), ("readlink", "readlink", True),
@@ -352,10 +352,7 @@ def _file_op(method: str, tagged: bool) -> Any:
         except OSError:  # the host's own disk failed under the operation
             return cm.Variant("err", "io") if tagged else "io"
         if isinstance(value, StatInfo):
-            record = cm.Record()
-            for field in StatInfo.__slots__:
-                setattr(record, field, getattr(value, field))
-            value = record
+            value = value.encode()
         return cm.Variant("ok", value) if tagged else value
 
     return op
