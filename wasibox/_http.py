@@ -350,7 +350,8 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address
     if address.sixtofour is not None:
         found.append(address.sixtofour)
     low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    if address in _NAT64_WELL_KNOWN or int(address) >> 32 == 0:  # NAT64, IPv4-compatible
+    compatible = int(address) >> 32 == 0 and not (address.is_loopback or address.is_unspecified)
+    if address in _NAT64_WELL_KNOWN or compatible:  # NAT64, or IPv4-compatible (::a.b.c.d)
         found.append(low32)
     return found
 
@@ -418,6 +419,8 @@ class HttpGate:
             for _hop in range(policy.max_redirects + 1):
                 hop_started = time.perf_counter()
                 try:
+                    if method not in policy.methods:  # a redirect may have changed it
+                        raise _Denied(f"method {method!r} is not allowed")
                     target = parse_url(current_url)
                     addresses = self._check(target)
                 except _Denied as exc:
@@ -537,9 +540,10 @@ class HttpGate:
             response = transport.handle_request(request)
         except httpx.TimeoutException:
             raise _Failed("the request timed out") from None
+        except httpx.ConnectError:
+            raise _Failed("the request failed: could not connect") from None
         except httpx.HTTPError:
-            raise _Failed("the request failed: could not connect or the server broke the "
-                          "protocol") from None
+            raise _Failed("the server broke the protocol") from None
         try:
             raw_headers = response.headers.raw
             if (len(raw_headers) > policy.max_header_count
@@ -551,7 +555,7 @@ class HttpGate:
         except httpx.TimeoutException:
             raise _Failed("the request timed out") from None
         except httpx.HTTPError:
-            raise _Failed("the server broke the protocol while sending the response") from None
+            raise _Failed("the server broke the protocol while sending its response") from None
         finally:
             response.close()
         reason = response.extensions.get("reason_phrase", b"")
