@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import json
+import ssl
 import threading
 import time
 import urllib.parse
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import trustme
 
 import wasibox
 from tests.conftest import open_fds
@@ -417,6 +419,49 @@ def test_dns_rebinding_cannot_switch_the_connection(origin: Server, canary: Serv
         r = fetch(sandbox, f"http://rebind.test:{origin.port}/redirect?to=/hello")
         assert r.stdout == f"denied True {DENIED_MESSAGE}\n"
         assert [e.allowed for e in r.capability_log] == [True, False]
+        assert_unharmed(sandbox, canary, fds)
+
+
+# -- https: the name travels in SNI and is what the certificate is checked against ---------------
+
+@pytest.fixture(scope="module")
+def tls_origin() -> Iterator[tuple[Server, trustme.CA, list[str]]]:
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("api.test").configure_cert(context)
+    server_names: list[str] = []
+    context.sni_callback = lambda sock, name, ctx: server_names.append(name)  # type: ignore[assignment,misc,arg-type]
+    server = Server()
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    start(server)
+    yield server, ca, server_names
+    server.shutdown()
+    server.server_close()
+
+
+def test_https_connects_to_the_address_with_sni_and_certificate_for_the_name(
+        tls_origin: tuple[Server, trustme.CA, list[str]], canary: Server, fds: int) -> None:
+    server, ca, server_names = tls_origin
+    trust = ssl.create_default_context()
+    ca.configure_trust(trust)
+    names = Names({"api.test": ["127.0.0.1"], "impostor.test": ["127.0.0.1"]})
+    tls = wasibox.HttpPolicy(allow=[f"api.test:{server.port}", f"impostor.test:{server.port}"],
+                             resolver=names, allow_loopback=["api.test", "impostor.test"],
+                             ssl_context=trust)
+    with wasibox.Sandbox(http=tls) as sandbox:
+        r = fetch(sandbox, f"https://api.test:{server.port}/hello")
+        assert r.stdout == "ok 200 b'hello from the origin'\n"
+        assert server_names == ["api.test"]
+        # The same address under another name: the certificate does not match the name.
+        r = fetch(sandbox, f"https://impostor.test:{server.port}/hello")
+        assert r.stdout == "error True the request failed: could not connect\n"
+        assert server_names == ["api.test", "impostor.test"]
+        # Without the test CA, the default trust store refuses the test certificate.
+        default = wasibox.HttpPolicy(allow=[f"api.test:{server.port}"], resolver=names,
+                                     allow_loopback=["api.test"])
+        with wasibox.Sandbox(http=default) as untrusting:
+            r = fetch(untrusting, f"https://api.test:{server.port}/hello")
+            assert r.stdout == "error True the request failed: could not connect\n"
         assert_unharmed(sandbox, canary, fds)
 
 
