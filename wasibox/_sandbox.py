@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -10,7 +11,7 @@ from typing import Any, Literal
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
-from ._files import Mount, check_mounts, run_with_files
+from ._files import FileSession, Mount, check_mounts, run_with_files
 from ._hostcall import check_functions
 from ._http import HttpPolicy
 from ._limits import Limit, Limits
@@ -182,9 +183,17 @@ class Sandbox:
         Returns what the backend observed; the reply is decoded by wasibox/_batch.py.
         """
         code = self._check_source(code)
-        return self._backend.execute(Job(op="batch", code=code, limits=self.limits,
-                                         policy=self.policy, entry=entry, records=records,
-                                         star=star))
+        job = Job(op="batch", code=code, limits=self.limits, policy=self.policy, entry=entry,
+                  records=records, star=star)
+        if not job.policy.mounts:
+            return self._backend.execute(job)
+        # Writes are published for a batch that ran to its end; a batch that is split and
+        # re-run (see wasibox/_transform.py) publishes from its re-runs instead.
+        with FileSession(job.policy.mounts, job.limits.open_files) as session:
+            outcome = self._backend.execute(dataclasses.replace(job, files=session))
+            if outcome.reply is not None and outcome.limit_exceeded is None:
+                session.publish()
+        return outcome
 
     def _job(self, code: str, entry: str | None, args: Sequence[Any],
              kwargs: Mapping[str, Any] | None) -> Job:
