@@ -110,6 +110,10 @@ FD_BASE = 256
 MAX_READ = 16 * 2**20
 _MAX_PATH = 4096
 _MAX_NAME = 255
+#: Deepest directory nesting inside a writable mount. Staging and publishing walk a tree
+#: holding a descriptor per level, so a guest must not be able to build (and persist, in a
+#: workspace) a tree deep enough to exhaust the host's descriptors or recursion limit.
+MAX_DEPTH = 32
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY_CHUNK = 1 << 20
 
@@ -337,7 +341,7 @@ class _Mounted:
         for name, st in listing:
             if name == STAGING_DIR:
                 continue
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) and len(rel) < MAX_DEPTH:
                 try:
                     child = os.open(name, _DIR_FLAGS, dir_fd=src_fd)
                 except OSError:
@@ -381,6 +385,14 @@ class _Mounted:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+
+
+def _height(parent_fd: int, name: str) -> int:
+    """How many directory levels lie below directory ``name`` (0 if it holds none)."""
+    height = 0
+    for top, _, _, _ in os.fwalk(name, dir_fd=parent_fd):  # never follows links
+        height = max(height, top.count("/"))
+    return height
 
 
 def _open_staging(host_fd: int) -> int:
@@ -652,7 +664,7 @@ class FileSession:
         mounted, rel, _ = self._mutable(path)
         if not rel:
             raise FilesError("exist")
-        self._charge_file(mounted)
+        self._charge_file(mounted, rel)
         parent = self._parent(mounted, rel)
         try:
             os.mkdir(rel[-1], (mode & 0o777) | 0o700, dir_fd=parent)
@@ -716,6 +728,10 @@ class FileSession:
                                                           follow_symlinks=False)
             except FileNotFoundError:
                 replaced = None
+            moved = os.stat(src_rel[-1], dir_fd=src_parent, follow_symlinks=False)
+            if (stat.S_ISDIR(moved.st_mode) and len(dst_rel) > len(src_rel)
+                    and len(dst_rel) + _height(src_parent, src_rel[-1]) > MAX_DEPTH):
+                raise FilesError("nametoolong")
             os.rename(src_rel[-1], dst_rel[-1], src_dir_fd=src_parent, dst_dir_fd=dst_parent)
         except OSError as exc:
             raise _from_os(exc) from None
@@ -818,7 +834,9 @@ class FileSession:
             os.close(src)
         os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
 
-    def _charge_file(self, mounted: _Mounted) -> None:
+    def _charge_file(self, mounted: _Mounted, rel: tuple[str, ...]) -> None:
+        if len(rel) > MAX_DEPTH:
+            raise FilesError("nametoolong")
         if mounted.used_files >= mounted.mount.quota_files:
             raise FilesError("dquot")
 
@@ -858,7 +876,7 @@ class FileSession:
                     raise FilesError("noent")
                 if wants_dir:
                     raise FilesError("isdir")
-                self._charge_file(mounted)
+                self._charge_file(mounted, rel)
                 os_flags |= os.O_CREAT | os.O_EXCL
             else:
                 if flags & F_CREATE and flags & F_EXCL:
@@ -1067,7 +1085,9 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[
         path = (*rel, name)
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         baseline = mounted.baseline.get(path)
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(st.st_mode) and len(path) > MAX_DEPTH:
+            refused.append(RefusedFile(path="/".join(path), reason="nested too deep"))
+        elif stat.S_ISDIR(st.st_mode):
             if baseline is not None and baseline[0] == "directory":
                 seen.add(path)
             else:

@@ -179,8 +179,8 @@ _SMALL_STACK_HOST = textwrap.dedent("""
 def test_a_recursion_bomb_on_a_small_stack_thread_does_not_crash_the_host(
         stack_bytes: int) -> None:
     # Regression: with a thread stack at or below max_wasm_stack, json.loads('[' * 10**6),
-    # or compiling a 30,000-term sum, ran off the native stack and the host died (SIGSEGV). A child process hosts it, so
-    # a regression fails this test instead of killing the test run.
+    # or compiling a 30,000-term sum, ran off the native stack and the host died (SIGSEGV).
+    # A child process hosts it, so a regression fails this test instead of the test run.
     done = subprocess.run([PYTHON, "-c", _SMALL_STACK_HOST, str(stack_bytes)], env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
