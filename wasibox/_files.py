@@ -1262,6 +1262,15 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult]) -> RunResult:
         result = execute(dataclasses.replace(job, files=session))
         if not result.ok:
             return result
-        records, refused = session.publish()
+        try:
+            records, refused = session.publish()
+        except OSError as exc:
+            # The host's disk is full: a guest can fill it up to its quota when the quota is
+            # larger than the disk. The staging is gone; the run reports it and does not raise.
+            from ._result import GuestException
+
+            error = GuestException(type="OSError", traceback="", message=(
+                f"the run's files could not be published: {exc.strerror or 'host error'}"))
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
     return dataclasses.replace(result, files=records, files_refused=refused)
 
