@@ -28,7 +28,7 @@ from wasibox._files import STAGING_DIR, FileSession
 
 KILLS = 50
 FILES = 12
-FILE_BYTES = 256 * 1024
+FILE_BYTES = 128 * 1024
 
 WRITER = f"""
 import sys
