@@ -424,6 +424,14 @@ class _Mounted:
             self.run_dir = None
 
 
+def _height(parent_fd: int, name: str) -> int:
+    """How many directory levels lie below directory ``name`` (0 if it holds none)."""
+    height = 0
+    for top, _, _, _ in os.fwalk(name, dir_fd=parent_fd):  # never follows links
+        height = max(height, top.count("/"))
+    return height
+
+
 def _open_staging(host_fd: int) -> int:
     try:
         os.mkdir(STAGING_DIR, 0o700, dir_fd=host_fd)
@@ -757,6 +765,10 @@ class FileSession:
                                                           follow_symlinks=False)
             except FileNotFoundError:
                 replaced = None
+            moved = os.stat(src_rel[-1], dir_fd=src_parent, follow_symlinks=False)
+            if (stat.S_ISDIR(moved.st_mode) and len(dst_rel) > len(src_rel)
+                    and len(dst_rel) + _height(src_parent, src_rel[-1]) > MAX_DEPTH):
+                raise FilesError("nametoolong")
             os.rename(src_rel[-1], dst_rel[-1], src_dir_fd=src_parent, dst_dir_fd=dst_parent)
         except OSError as exc:
             raise _from_os(exc) from None
@@ -1295,6 +1307,15 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult]) -> RunResult:
         result = execute(dataclasses.replace(job, files=session))
         if not result.ok:
             return result
-        records, refused = session.publish()
+        try:
+            records, refused = session.publish()
+        except OSError as exc:
+            # The host's disk is full: a guest can fill it up to its quota when the quota is
+            # larger than the disk. The staging is gone; the run reports it and does not raise.
+            from ._result import GuestException
+
+            error = GuestException(type="OSError", traceback="", message=(
+                f"the run's files could not be published: {exc.strerror or 'host error'}"))
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
     return dataclasses.replace(result, files=records, files_refused=refused)
 
