@@ -20,7 +20,8 @@ from wasibox._config import hash_token
 from .conftest import PYTHON, child_env
 
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token",
-          "metered": "metered-secret-token", "narrow": "narrow-secret-token"}
+          "metered": "metered-secret-token", "narrow": "narrow-secret-token",
+          "patient": "patient-secret-token"}
 MAX_BODY = 64 * 1024
 
 CONFIG = f"""
@@ -46,6 +47,12 @@ token_sha256 = "{hash_token(TOKENS['narrow'])}"
 max_concurrency = 1
 max_queue = 0
 clock = "real"
+
+[tenants.patient]
+token_sha256 = "{hash_token(TOKENS['patient'])}"
+max_concurrency = 1
+clock = "real"
+limits = {{ fuel = 1_000_000_000_000_000, timeout_s = 60 }}
 """
 
 
@@ -234,6 +241,31 @@ def test_a_full_tenant_queue_answers_429(server: Server) -> None:
     assert busy.status_code == 429 and "retry" in busy.json()["detail"]
     assert others.status_code == 200  # another tenant's queue is its own
     assert done[0].status_code == 200 and done[0].json()["stdout"] == "slept\n"
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(50)"])
+def test_a_client_that_goes_away_cancels_its_run(server: Server, code: str) -> None:
+    before = sum(1 for line in server.run_logs()
+                 if line["tenant"] == "patient" and line["limit"] == "cancelled")
+    with server.client("patient") as patient:
+        with pytest.raises(httpx.ReadTimeout):
+            patient.post("/v1/run", json={"code": code}, timeout=1.0)
+    # The guest is stopped and its slot freed, long before its 60 s limit.
+    with server.client() as client:
+        deadline = time.monotonic() + 30
+        while 'wasibox_active_runs{tenant="patient"} 0.0' not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the abandoned run still holds its slot"
+            time.sleep(0.02)
+    def cancelled_runs() -> int:
+        return sum(1 for line in server.run_logs()
+                   if line["tenant"] == "patient" and line["limit"] == "cancelled")
+
+    deadline = time.monotonic() + 30
+    while cancelled_runs() < before + 1:
+        assert time.monotonic() < deadline, "no log line says the run was cancelled"
+        time.sleep(0.02)
+    with server.client("patient") as patient:
+        assert patient.post("/v1/run", json={"code": "print('next')"}).json()["stdout"] == "next\n"
 
 
 # -- request hygiene --------------------------------------------------------------------------

@@ -15,7 +15,8 @@ trusted only with its own policy:
   (429), then the body size cap (413). The tenant comes from the token alone: nothing in a
   request can name another tenant's policy;
 * each tenant has its own ``Sandbox`` (its limits, grants, concurrency and queue), so one
-  tenant's load fills only its own queue (429 when full);
+  tenant's load fills only its own queue (429 when full). A client that disconnects cancels
+  its run, so abandoned requests do not hold slots;
 * responses carry only the RunResult (the guest's own output and traceback) or a short
   message: no host paths, no host stack traces. Unexpected errors are logged, not returned;
 * ``/healthz`` and ``/metrics`` need no token and reveal only tenant names and counts: bind
@@ -27,6 +28,7 @@ fuel, duration, exit code.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -45,6 +47,7 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ._concurrency import RunHandle
 from ._config import Config, TenantConfig, hash_token
 from ._errors import Busy, ConfigError, UsageError, WasiboxError
 from ._result import RunResult
@@ -353,10 +356,11 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
         started = time.perf_counter()
         try:
             if isinstance(body, CallRequest):
-                result = await tenant.sandbox.arun(body.code, entry=body.entry,
-                                                   args=body.args, kwargs=body.kwargs)
+                handle = tenant.sandbox.start(body.code, entry=body.entry, args=body.args,
+                                              kwargs=body.kwargs)
             else:
-                result = await tenant.sandbox.arun(body.code)
+                handle = tenant.sandbox.start(body.code)
+            result = await _unless_disconnected(request, handle)
         except Busy:
             metrics.rejected.labels("busy").inc()
             _log_run(tenant.name, op, "busy", None, time.perf_counter() - started)
@@ -426,6 +430,31 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
     app.add_middleware(_Gate, tenants=tenants,
                        max_body_bytes=config.server.max_body_bytes, metrics=metrics)
     return app
+
+
+async def _unless_disconnected(request: Request, handle: RunHandle) -> RunResult:
+    """Await the run; if the client goes away first, cancel it so its slot is freed at once
+    (its result then says ``cancelled``)."""
+
+    async def finished() -> RunResult:
+        return await handle
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    run = asyncio.ensure_future(finished())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the server is shutting down: stop the guest too
+        handle.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not run.done():
+        handle.cancel()
+    return await run
 
 
 def _problem(error: Any) -> str:
