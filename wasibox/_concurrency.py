@@ -30,6 +30,7 @@ from typing import Any
 
 from ._control import RunControl, RunState
 from ._errors import Busy, SandboxClosed, UsageError
+from ._limits import Limit
 from ._result import RunResult
 from .backends.base import Job
 
@@ -265,7 +266,7 @@ class Runner:
             if ticket.detached:
                 return self._cancelled_result(ticket.job)  # the handle holds the exception
             raise
-        ticket.control.finish()
+        ticket.control.finish(cancelled=result.limit_exceeded is Limit.CANCELLED)
         self._release()
         ticket.future.set_result(result)
         return result

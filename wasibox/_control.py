@@ -55,10 +55,14 @@ class RunControl:
             if self._state not in (RunState.DONE, RunState.CANCELLED):
                 self._state = state
 
-    def finish(self) -> None:
-        """Record that the run is over: cancelled if it was cancelled, else done."""
+    def finish(self, cancelled: bool | None = None) -> None:
+        """Record that the run is over: ``cancelled`` says whether its result is a
+        cancellation (a cancel that came too late to stop it leaves it done); by default,
+        whether ``cancel`` was called."""
         with self._lock:
-            self._state = RunState.CANCELLED if self._cancelled else RunState.DONE
+            if cancelled is None:
+                cancelled = self._cancelled
+            self._state = RunState.CANCELLED if cancelled else RunState.DONE
             self._callbacks.clear()
 
     def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
