@@ -11,9 +11,14 @@ from typing import Any
 
 import pytest
 import wasmtime
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Busy, Limit, Limits, RunState, Sandbox
+from wasibox._control import RunControl
+from wasibox._result import Outcome
+from wasibox.backends.base import Backend, Job
 from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
 
 from .conftest import open_fds
@@ -296,3 +301,98 @@ def test_the_warm_pool_is_sized_from_max_concurrency() -> None:
         assert rt._pool_size == max(before, 4)
         wait_for(lambda: len(rt._pool) == rt._pool_size, "the pool fills")
     assert rt._pool_size == before
+
+
+# -- the admission logic, against a model --------------------------------------------------------
+
+class GatedBackend(Backend):
+    """A test double: each job "runs" until the test releases it or it is cancelled; its
+    output is its code. Records the order in which jobs started."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.gates: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
+        assert control is not None
+        gate = threading.Event()
+        with self.lock:
+            self.gates[job.code] = gate
+            self.started.append(job.code)
+        control.enter(RunState.RUNNING)
+        detach = control.on_cancel(gate.set)
+        gate.wait()
+        detach()
+        if control.cancelled:
+            return Outcome(limit_exceeded=Limit.CANCELLED)
+        return Outcome(stdout=job.code.encode())
+
+    def release(self, code: str) -> None:
+        wait_for(lambda: code in self.gates, f"{code} starts")
+        self.gates[code].set()
+
+
+@settings(max_examples=40, deadline=None)
+@given(max_concurrency=st.integers(1, 3), max_queue=st.integers(0, 3),
+       ops=st.lists(st.one_of(st.just(("start", 0)), st.tuples(st.just("cancel"),
+                                                               st.integers(0, 20)),
+                              st.just(("finish", 0))), max_size=30))
+def test_admission_matches_a_model(max_concurrency: int, max_queue: int,
+                                   ops: list[tuple[str, int]]) -> None:
+    backend = GatedBackend()
+    sb = Sandbox(backend=backend, max_concurrency=max_concurrency, max_queue=max_queue)
+    handles: dict[str, wasibox.RunHandle] = {}
+    running: list[str] = []  # the model: admission order of runs holding a slot
+    queued: list[str] = []
+    expected: dict[str, str] = {}  # code -> "done" or "cancelled"
+    for number, (op, arg) in enumerate(ops):
+        if op == "start":
+            code = f"job{number + 1000}"
+            if len(running) < max_concurrency and not queued:
+                running.append(code)
+            elif len(queued) < max_queue:
+                queued.append(code)
+            else:
+                with pytest.raises(Busy):
+                    sb.start(code)
+                continue
+            handles[code] = sb.start(code)
+        elif op == "cancel" and handles:
+            code = sorted(handles)[arg % len(handles)]
+            if code in expected:
+                continue
+            handles[code].cancel()
+            expected[code] = "cancelled"
+            if code in queued:
+                queued.remove(code)
+                assert handles[code].result().limit_exceeded is Limit.CANCELLED
+            else:
+                running.remove(code)
+                handles[code].result()
+                if queued:
+                    running.append(queued.pop(0))
+        elif op == "finish" and running:
+            code = running.pop(0)
+            backend.release(code)
+            assert handles[code].result().stdout == code
+            expected[code] = "done"
+            if queued:
+                running.append(queued.pop(0))
+        assert (sb._runner.active, sb._runner.queued) == (len(running), len(queued))
+    for code in running:
+        backend.release(code)
+        expected[code] = "done"
+    for code in queued:
+        handles[code].cancel()
+        expected[code] = "cancelled"
+    for code, handle in handles.items():
+        result = handle.result()
+        assert (result.stdout == code) == (expected[code] == "done"), code
+        assert handle.state == (RunState.DONE if expected[code] == "done"
+                                else RunState.CANCELLED)
+    # Runs started in admission order (FIFO), skipping those cancelled while queued.
+    assert backend.started == sorted(backend.started, key=lambda c: int(c[3:]))
+    sb.close()
