@@ -39,7 +39,7 @@ HOSTILE: list[tuple[str, str, Check]] = [
      lambda r: r.limit_exceeded is Limit.FUEL),
     ("past the deadline", "import time\nwhile True: time.sleep(0.05)",
      lambda r: r.limit_exceeded is Limit.TIMEOUT),
-    ("memory growth", "blocks = []\nwhile True: blocks.append(bytearray(2**20))",
+    ("memory growth", "blocks = []\nwhile True: blocks.append(bytearray(2**23))",
      lambda r: r.limit_exceeded is Limit.MEMORY),
     ("output flood", "while True: print('x' * 4096)",
      lambda r: r.limit_exceeded is Limit.OUTPUT and r.stdout_truncated),
