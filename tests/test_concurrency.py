@@ -7,6 +7,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 import wasibox
 from wasibox import Busy, Limit, Limits, RunState, Sandbox
 from wasibox._control import RunControl
+from wasibox._files import STAGING_DIR
 from wasibox._result import Outcome
 from wasibox.backends.base import Backend, Job
 from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
@@ -192,12 +194,19 @@ class GatedRuntime(WasmRuntime):
 
 def test_cancel_while_instantiating() -> None:
     gated = GatedRuntime()
+    gated.gate.set()
     with Sandbox(PATIENT, backend=WasmBackend(gated), max_concurrency=1) as sb:
+        # Compile (and cache) the program first: the compiler takes instances too.
+        assert sb.run("print('never')").ok
+        gated.gate.clear()
+        gated.entered.clear()
         handle = sb.start("print('never')")
-        gated.entered.wait()
-        assert handle.state == RunState.INSTANTIATING
-        assert handle.cancel()
-        gated.gate.set()
+        try:
+            assert gated.entered.wait(60)
+            assert handle.state == RunState.INSTANTIATING
+            assert handle.cancel()
+        finally:
+            gated.gate.set()  # never leave a worker thread blocked
         result = handle.result()
     assert (result.limit_exceeded, result.stdout) == (Limit.CANCELLED, "")
     assert handle.state == RunState.CANCELLED
@@ -396,3 +405,24 @@ def test_admission_matches_a_model(max_concurrency: int, max_queue: int,
     # Runs started in admission order (FIFO), skipping those cancelled while queued.
     assert backend.started == sorted(backend.started, key=lambda c: int(c[3:]))
     sb.close()
+
+
+def test_cancel_while_publishing_discards_the_staged_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered = RunControl.enter
+
+    def cancel_on_publishing(self: RunControl, state: RunState) -> None:
+        entered(self, state)
+        if state == RunState.PUBLISHING:
+            self.cancel()  # the caller cancels just as the files are about to be published
+
+    monkeypatch.setattr(RunControl, "enter", cancel_on_publishing)
+    with Sandbox(mounts=[wasibox.Mount(tmp_path, "/out", writable=True)],
+                 max_concurrency=1) as sb:
+        handle = sb.start("open('/out/report.txt', 'w').write('draft')")
+        result = handle.result()
+    assert (result.ok, result.limit_exceeded, result.files) == (False, Limit.CANCELLED, [])
+    assert handle.state == RunState.CANCELLED
+    assert [p.name for p in tmp_path.iterdir()] in ([], [STAGING_DIR])  # nothing published
+    staged = [p.name for p in (tmp_path / STAGING_DIR).glob("*") if p.name != "setup.lock"]
+    assert staged == []  # and the run's staging is gone

@@ -77,6 +77,9 @@ def test_hash_token_is_hex_sha256() -> None:
     (tenant(mounts=[{"host": "/definitely/not/here", "guest": "/d"}]),
      "tenants.alice.mounts[0].host: is not an existing directory"),
     (tenant(mounts=[{"host": ".", "guest": "relative"}]), "tenants.alice.mounts[0].guest"),
+    (tenant(mounts=[{"host": ".", "guest": "/"}]), "tenants.alice.mounts[0]: Mount guest_path"),
+    (tenant(mounts=[{"host": ".", "guest": "/d", "quota_files": 0}]),
+     "tenants.alice.mounts[0].quota_files"),
     (tenant(http={"allow": []}), "tenants.alice.http.allow"),
     (tenant(http={"allow": ["a.com"], "methods": ["BREW"]}), "tenants.alice.http.methods[0]"),
     (tenant(functions={"f": "not a path"}), "tenants.alice.functions.f: 'not a path' is not"),
@@ -127,10 +130,38 @@ def test_a_tenants_sandbox_enforces_its_policy() -> None:
         assert sb.run("while True: pass").fuel_used == 50_000_000
 
 
-@pytest.mark.parametrize("grant", ["mounts", "http", "functions"])
+def test_a_tenants_mounts_are_granted(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "numbers.txt").write_text("1 2 3")
+    (tmp_path / "out").mkdir()
+    config = parse_config(tenant(mounts=[
+        {"host": "in", "guest": "/in"},
+        {"host": "out", "guest": "/out", "writable": True, "quota_bytes": "1MiB"}]),
+        base_dir=tmp_path)
+    with make_sandbox("alice", config.tenants["alice"]) as sb:
+        result = sb.run("total = sum(map(int, open('/in/numbers.txt').read().split()))\n"
+                        "open('/out/total.txt', 'w').write(str(total))\n"
+                        "open('/in/numbers.txt', 'w')")
+    assert result.error is not None and "Read-only" in result.error.message
+    assert not (tmp_path / "out" / "total.txt").exists()  # a failed run publishes nothing
+    with make_sandbox("alice", config.tenants["alice"]) as sb:
+        result = sb.run("open('/out/total.txt', 'w').write(str(sum(map(int, "
+                        "open('/in/numbers.txt').read().split()))))")
+    assert result.ok, result
+    assert [f.path for f in result.files] == ["/out/total.txt"]
+    assert (tmp_path / "out" / "total.txt").read_text() == "6"
+
+
+def test_conflicting_mounts_name_the_tenant(tmp_path: Path) -> None:
+    config = parse_config(tenant(mounts=[{"host": str(tmp_path), "guest": "/d"},
+                                         {"host": str(tmp_path), "guest": "/d"}]))
+    with pytest.raises(wasibox.ConfigError, match="tenants.alice: "):
+        make_sandbox("alice", config.tenants["alice"])
+
+
+@pytest.mark.parametrize("grant", ["http", "functions"])
 def test_grants_the_sandbox_cannot_take_yet_are_refused(tmp_path: Path, grant: str) -> None:
-    fields = {"mounts": {"mounts": [{"host": str(tmp_path), "guest": "/data"}]},
-              "http": {"http": {"allow": ["api.example.com"]}},
+    fields = {"http": {"http": {"allow": ["api.example.com"]}},
               "functions": {"functions": {"dumps": "json:dumps"}}}[grant]
     config = parse_config(tenant(**fields))
     if grant in inspect.signature(wasibox.Sandbox).parameters:

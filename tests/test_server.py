@@ -21,7 +21,7 @@ from .conftest import PYTHON, child_env
 
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token",
           "metered": "metered-secret-token", "narrow": "narrow-secret-token",
-          "patient": "patient-secret-token"}
+          "patient": "patient-secret-token", "files": "files-secret-token"}
 MAX_BODY = 64 * 1024
 
 CONFIG = f"""
@@ -53,6 +53,19 @@ token_sha256 = "{hash_token(TOKENS['patient'])}"
 max_concurrency = 1
 clock = "real"
 limits = {{ fuel = 1_000_000_000_000_000, timeout_s = 60 }}
+
+[tenants.files]
+token_sha256 = "{hash_token(TOKENS['files'])}"
+
+[[tenants.files.mounts]]
+host = "data"
+guest = "/data"
+
+[[tenants.files.mounts]]
+host = "out"
+guest = "/out"
+writable = true
+quota_bytes = "1MiB"
 """
 
 
@@ -60,6 +73,7 @@ class Server:
     """A live `wasibox serve` subprocess and what it has logged so far."""
 
     def __init__(self, config: Path) -> None:
+        self.config_dir = str(config.parent)
         self.process = subprocess.Popen(
             [PYTHON, "-m", "wasibox", "serve", "--config", str(config), "--port", "0"],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=child_env())
@@ -102,7 +116,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = tmp_path_factory.mktemp("serve") / "wasibox.toml"
+    root = tmp_path_factory.mktemp("serve")
+    (root / "data").mkdir()
+    (root / "data" / "greeting.txt").write_text("hello from the host")
+    (root / "out").mkdir()
+    config = root / "wasibox.toml"
     config.write_text(CONFIG)
     live = Server(config)
     yield live
@@ -213,6 +231,21 @@ def test_a_token_reaches_only_its_own_tenants_policy(server: Server) -> None:
     with server.client("bob") as bob:
         sneaky = bob.post("/v1/run", json={"code": "pass", "tenant": "alice"})
     assert sneaky.status_code == 422
+
+
+def test_a_tenants_mounts_are_its_own(server: Server) -> None:
+    code = ("text = open('/data/greeting.txt').read()\n"
+            "open('/out/shout.txt', 'w').write(text.upper())\nprint(text)")
+    with server.client("files") as files, server.client("alice") as alice:
+        granted = files.post("/v1/run", json={"code": code})
+        denied = alice.post("/v1/run", json={"code": code})
+    body = granted.json()
+    assert body["ok"] and body["stdout"] == "hello from the host\n", body
+    assert [(f["path"], f["size"]) for f in body["files"]] == [("/out/shout.txt", 19)]
+    out = Path(server.config_dir) / "out" / "shout.txt"
+    assert out.read_text() == "HELLO FROM THE HOST"
+    assert server.config_dir not in granted.text  # guest paths only
+    assert denied.json()["error"]["type"] == "FileNotFoundError"  # alice has no mounts
 
 
 def test_rate_limit_answers_429_per_tenant(server: Server) -> None:

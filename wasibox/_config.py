@@ -45,6 +45,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from ._errors import ConfigError, UsageError
+from ._files import Mount
 from ._limits import Limits, parse_size
 
 __all__ = [
@@ -106,6 +107,7 @@ class LimitsConfig(_Strict):
     timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     output_bytes: Size | None = None
     source_bytes: Size | None = None
+    open_files: int | None = Field(default=None, gt=0)
 
     def to_limits(self) -> Limits:
         return Limits(**self.model_dump(exclude_none=True))
@@ -128,6 +130,7 @@ class MountConfig(_Strict):
     guest: str = Field(pattern=r"^/[^\x00]*$")
     writable: bool = False
     quota_bytes: Size | None = None
+    quota_files: int | None = Field(default=None, gt=0)
 
     @pydantic.field_validator("host", mode="after")
     @classmethod
@@ -138,6 +141,23 @@ class MountConfig(_Strict):
         if not host.is_dir():
             raise ValueError("is not an existing directory")
         return host.resolve()
+
+    @pydantic.model_validator(mode="after")
+    def _valid_mount(self) -> MountConfig:
+        self.to_mount()
+        return self
+
+    def to_mount(self) -> Mount:
+        """The ``wasibox.Mount`` this describes. Raises ValueError (for pydantic) if invalid."""
+        quotas: dict[str, int] = {}
+        if self.quota_bytes is not None:
+            quotas["quota_bytes"] = self.quota_bytes
+        if self.quota_files is not None:
+            quotas["quota_files"] = self.quota_files
+        try:
+            return Mount(self.host, self.guest, writable=self.writable, **quotas)
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class HttpConfig(_Strict):

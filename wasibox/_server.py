@@ -95,6 +95,21 @@ class GuestExceptionModel(BaseModel):
     traceback: str
 
 
+class FileRecordModel(BaseModel):
+    """A file the run wrote under a writable mount, as published (guest path)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class RefusedFileModel(BaseModel):
+    """An entry of the run's staging that was not published, and why."""
+
+    path: str
+    reason: str
+
+
 class RunResultModel(BaseModel):
     """What one run produced (``wasibox.RunResult``). Bytes in ``value`` are latin-1 text."""
 
@@ -112,6 +127,9 @@ class RunResultModel(BaseModel):
     duration_s: float
     backend: str
     value: Any = Field(description="the entry function's return value (call only)")
+    files: list[FileRecordModel] = Field(
+        description="files written under writable mounts (published only when ok)")
+    files_refused: list[RefusedFileModel]
 
 
 class ErrorModel(BaseModel):
@@ -176,17 +194,22 @@ def make_sandbox(name: str, tenant: TenantConfig) -> Sandbox:
     if tenant.functions:
         grants["functions"] = tenant.resolve_functions(name)
     if tenant.mounts:
-        grants["mounts"] = tenant.mounts
+        grants["mounts"] = [mount.to_mount() for mount in tenant.mounts]
     if tenant.http is not None:
         grants["http"] = tenant.http
     for key in grants:
         if key not in supported:
             raise ConfigError(f"tenants.{name}.{key}: this version of wasibox cannot grant "
                               f"{key} to a guest yet; remove the key")
-    # Mounts and HTTP are passed on as validated config models until Sandbox takes them.
-    return Sandbox(tenant.limits.to_limits(), seed=tenant.seed, clock=tenant.clock,
-                   entropy=tenant.entropy, max_concurrency=tenant.max_concurrency,
-                   max_queue=tenant.max_queue, **grants)
+    # HTTP is passed on as its validated config model until Sandbox takes it.
+    try:
+        return Sandbox(tenant.limits.to_limits(), seed=tenant.seed, clock=tenant.clock,
+                       entropy=tenant.entropy, max_concurrency=tenant.max_concurrency,
+                       max_queue=tenant.max_queue, **grants)
+    except ConfigError:
+        raise
+    except UsageError as exc:  # e.g. two mounts at the same guest path
+        raise ConfigError(f"tenants.{name}: {exc}") from None
 
 
 # -- metrics ----------------------------------------------------------------------------------
