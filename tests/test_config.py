@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +158,19 @@ def test_conflicting_mounts_name_the_tenant(tmp_path: Path) -> None:
         make_sandbox("alice", config.tenants["alice"])
 
 
-@pytest.mark.parametrize("grant", ["http", "functions"])
-def test_grants_the_sandbox_cannot_take_yet_are_refused(tmp_path: Path, grant: str) -> None:
-    fields = {"http": {"http": {"allow": ["api.example.com"]}},
-              "functions": {"functions": {"dumps": "json:dumps"}}}[grant]
-    config = parse_config(tenant(**fields))
-    if grant in inspect.signature(wasibox.Sandbox).parameters:
-        pytest.skip(f"Sandbox takes {grant}= now; its wiring is covered with the capability")
-    with pytest.raises(wasibox.ConfigError, match=f"tenants.alice.{grant}: .*cannot grant"):
-        make_sandbox("alice", config.tenants["alice"])
+def test_a_tenants_host_functions_and_http_are_granted() -> None:
+    config = parse_config(tenant(functions={"factorial": "math:factorial"},
+                                 http={"allow": ["api.example.com"], "methods": ["GET"]}))
+    alice = config.tenants["alice"]
+    assert alice.http is not None and alice.http.to_policy().methods == ("GET",)
+    with make_sandbox("alice", alice) as sb:
+        assert sb.call("import host\ndef f(n):\n    return host.factorial(n)", "f", 5) == 120
+        denied = sb.run("import urllib.request\n"
+                        "urllib.request.urlopen('http://elsewhere.example.net/')")
+    assert denied.error is not None and not denied.ok
+    assert [(e.capability, e.allowed) for e in denied.capability_log] == [("http", False)]
+
+
+def test_an_http_policy_the_sandbox_refuses_names_its_key() -> None:
+    message = problems(tenant(http={"allow": ["http://not-a-host-entry/"]}))
+    assert "tenants.alice.http: " in message

@@ -57,6 +57,9 @@ limits = {{ fuel = 1_000_000_000_000_000, timeout_s = 60 }}
 [tenants.files]
 token_sha256 = "{hash_token(TOKENS['files'])}"
 
+functions = {{ factorial = "math:factorial" }}
+http = {{ allow = ["api.example.com"], methods = ["GET"] }}
+
 [[tenants.files.mounts]]
 host = "data"
 guest = "/data"
@@ -246,6 +249,22 @@ def test_a_tenants_mounts_are_its_own(server: Server) -> None:
     assert out.read_text() == "HELLO FROM THE HOST"
     assert server.config_dir not in granted.text  # guest paths only
     assert denied.json()["error"]["type"] == "FileNotFoundError"  # alice has no mounts
+
+
+def test_a_tenants_functions_and_http_are_its_own(server: Server) -> None:
+    code = "import host\ndef f(n):\n    return host.factorial(n)"
+    fetch = ("import urllib.request\n"
+             "urllib.request.urlopen('http://169.254.169.254/latest/meta-data/')")
+    with server.client("files") as files, server.client("alice") as alice:
+        granted = files.post("/v1/call", json={"code": code, "entry": "f", "args": [6]})
+        refused = alice.post("/v1/call", json={"code": code, "entry": "f", "args": [6]})
+        denied = files.post("/v1/run", json={"code": fetch}).json()
+    assert granted.json()["value"] == 720
+    assert refused.json()["error"]["type"] in ("CapabilityDenied", "AttributeError")
+    assert denied["error"]["type"] == "CapabilityDenied"
+    # The decision is reported, but not its reason (which could reveal internal addresses).
+    assert [(e["capability"], e["allowed"], e["reason"]) for e in denied["capability_log"]] == [
+        ("http", False, None)]
 
 
 def test_rate_limit_answers_429_per_tenant(server: Server) -> None:

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ._errors import ConfigError, UsageError
 from ._files import Mount
+from ._http import HttpPolicy
 from ._limits import Limits, parse_size
 
 __all__ = [
@@ -108,6 +109,9 @@ class LimitsConfig(_Strict):
     output_bytes: Size | None = None
     source_bytes: Size | None = None
     open_files: int | None = Field(default=None, gt=0)
+    host_calls: int | None = Field(default=None, gt=0)
+    host_call_bytes: Size | None = None
+    host_total_bytes: Size | None = None
 
     def to_limits(self) -> Limits:
         return Limits(**self.model_dump(exclude_none=True))
@@ -164,10 +168,28 @@ class HttpConfig(_Strict):
     """Mediated HTTP for the tenant's guests: deny by default, allow these host[:port]s."""
 
     allow: list[Annotated[str, Field(min_length=1, max_length=300)]] = Field(min_length=1)
-    methods: list[Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]] = ["GET", "POST"]
+    methods: list[Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]] = ["GET", "HEAD"]
     max_response_bytes: Size = 10 * 2**20
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     max_redirects: int = Field(default=3, ge=0, le=20)
+    max_header_count: int = Field(default=100, gt=0)
+    max_header_bytes: Size = 64 * 2**10
+
+    @pydantic.model_validator(mode="after")
+    def _valid_policy(self) -> HttpConfig:
+        self.to_policy()
+        return self
+
+    def to_policy(self) -> HttpPolicy:
+        """The ``wasibox.HttpPolicy`` this describes. Raises ValueError (for pydantic)."""
+        try:
+            return HttpPolicy(allow=self.allow, methods=self.methods,
+                              max_response_bytes=self.max_response_bytes,
+                              timeout_s=self.timeout_s, max_redirects=self.max_redirects,
+                              max_header_count=self.max_header_count,
+                              max_header_bytes=self.max_header_bytes)
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class TenantConfig(_Strict):

@@ -110,6 +110,21 @@ class RefusedFileModel(BaseModel):
     reason: str
 
 
+class CapabilityEventModel(BaseModel):
+    """One decision of a capability (an HTTP request, a host function call).
+
+    ``reason`` is always null in responses: it can say what a name resolved to."""
+
+    capability: str
+    action: str
+    target: str
+    allowed: bool
+    bytes_sent: int
+    bytes_received: int
+    duration_s: float
+    reason: str | None
+
+
 class RunResultModel(BaseModel):
     """What one run produced (``wasibox.RunResult``). Bytes in ``value`` are latin-1 text."""
 
@@ -130,6 +145,7 @@ class RunResultModel(BaseModel):
     files: list[FileRecordModel] = Field(
         description="files written under writable mounts (published only when ok)")
     files_refused: list[RefusedFileModel]
+    capability_log: list[CapabilityEventModel]
 
 
 class ErrorModel(BaseModel):
@@ -182,26 +198,17 @@ class _Tenant:
 
 
 def make_sandbox(name: str, tenant: TenantConfig) -> Sandbox:
-    """The Sandbox that enforces one tenant's policy.
+    """The Sandbox that enforces one tenant's policy: its limits, mounts, HTTP allowlist
+    and host functions, and its share of the service (max_concurrency, max_queue).
 
-    Raises ConfigError, naming the key, for a grant this wasibox cannot enforce yet or a host
-    function that cannot be imported: a service never runs with less policy than configured.
+    Raises ConfigError, naming the key, for a host function that cannot be imported or a
+    policy the Sandbox refuses.
     """
-    import inspect
-
-    supported = inspect.signature(Sandbox).parameters
-    grants: dict[str, Any] = {}
-    if tenant.functions:
-        grants["functions"] = tenant.resolve_functions(name)
-    if tenant.mounts:
-        grants["mounts"] = [mount.to_mount() for mount in tenant.mounts]
-    if tenant.http is not None:
-        grants["http"] = tenant.http
-    for key in grants:
-        if key not in supported:
-            raise ConfigError(f"tenants.{name}.{key}: this version of wasibox cannot grant "
-                              f"{key} to a guest yet; remove the key")
-    # HTTP is passed on as its validated config model until Sandbox takes it.
+    grants: dict[str, Any] = {
+        "functions": tenant.resolve_functions(name),
+        "mounts": [mount.to_mount() for mount in tenant.mounts],
+        "http": tenant.http.to_policy() if tenant.http is not None else None,
+    }
     try:
         return Sandbox(tenant.limits.to_limits(), seed=tenant.seed, clock=tenant.clock,
                        entropy=tenant.entropy, max_concurrency=tenant.max_concurrency,
@@ -503,6 +510,9 @@ def _log_run(tenant: str, op: str, outcome: str, result: RunResult | None,
 def _result_json(result: RunResult) -> dict[str, Any]:
     data = result.to_dict()
     data["value"] = _jsonable(data["value"])
+    # A denial's reason can say what a name resolved to (an internal address): that stays
+    # on the host. The tenant sees what was decided, not why.
+    data["capability_log"] = [{**event, "reason": None} for event in data["capability_log"]]
     return data
 
 
