@@ -48,6 +48,7 @@ bench: prepare
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/transform.py
 	$(BIN)/python bench/fuzz.py
+	$(BIN)/python bench/host_calls.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -57,7 +57,9 @@ def main() -> None:
           f"({host_s * 1e3:.0f} ms)")
 
     results = {}
-    with wasibox.Transform(CODE) as t:
+    # Limits apply to a whole batch: give a 100,000-record batch room to finish.
+    limits = wasibox.Limits(fuel=10**12, timeout_s=300, memory_bytes="2GiB")
+    with wasibox.Transform(CODE, limits=limits) as t:
         t.map(data[:2000], batch_size=1000, progress=False)  # warm the runtime
         for size in sizes:
             fuel_before, batches_before = t.fuel_used, t.batches_run
@@ -79,7 +81,7 @@ def main() -> None:
     size = max(sizes)
     batch = data[:size]
     encode_s, payload = median_time(lambda: encode_records(batch), args.repeat)
-    with wasibox.Sandbox() as sandbox:
+    with wasibox.Sandbox(limits) as sandbox:
         outcome = sandbox._execute_batch(CODE, "transform", payload)  # type: ignore[arg-type]
     assert outcome.reply is not None
     decode_s, _ = median_time(

@@ -9,10 +9,11 @@ import pytest
 import wasibox
 
 EXPECTED = {
-    "CapabilityEvent", "Failed", "FileRecord", "GuestBuildError", "GuestError",
-    "GuestException", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile",
-    "RunResult", "Sandbox", "SandboxClosed", "Transform", "TransformProgress", "TransformSpec",
-    "UsageError", "WasiboxError", "guest_digest", "run",
+    "Busy", "CapabilityEvent", "ConfigError", "Failed", "FileRecord", "GuestBuildError",
+    "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount",
+    "RefusedFile", "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed",
+    "Transform", "TransformProgress", "TransformSpec", "UsageError", "WasiboxError",
+    "guest_digest", "run",
 }
 
 
@@ -25,9 +26,11 @@ def test_exported_names() -> None:
 
 
 def test_error_tree_has_one_root() -> None:
-    for name in ("GuestBuildError", "GuestError", "LimitExceeded", "SandboxClosed", "UsageError"):
+    for name in ("Busy", "ConfigError", "GuestBuildError", "GuestError", "LimitExceeded",
+                 "SandboxClosed", "UsageError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
+    assert issubclass(wasibox.ConfigError, wasibox.UsageError)
 
 
 def test_no_wasmtime_type_in_public_signatures() -> None:
@@ -41,7 +44,7 @@ def test_no_wasmtime_type_in_public_signatures() -> None:
 def test_limit_is_a_str_enum() -> None:
     assert wasibox.Limit.FUEL == "fuel"
     assert {limit.value for limit in wasibox.Limit} == {"fuel", "timeout", "memory", "output",
-                                                     "host_calls"}
+                                                     "host_calls", "cancelled"}
 
 
 def test_limits_normalise_shorthand_once() -> None:

@@ -172,7 +172,7 @@ def test_imap_streams_with_bounded_batches() -> None:
     with wasibox.Transform("def transform(r):\n    return -r\n") as t:
         stream = t.imap(source(), batch_size=10, progress=False)
         assert next(stream) == 0
-        assert len(pulled) == 10  # only the first batch has been read
+        assert len(pulled) == 20  # the first batch, and the one running ahead
         assert list(stream) == [-i for i in range(1, 50)]
 
 
@@ -250,3 +250,26 @@ def test_bad_arguments_are_usage_errors() -> None:
     with wasibox.Transform(TOTAL) as t:
         with pytest.raises(wasibox.UsageError, match="record 1 is not plain data"):
             t.map([{"id": 1}, object()], progress=False)
+
+
+def test_host_functions_are_forwarded_and_rerun_on_split() -> None:
+    seen: list[int] = []
+
+    def price(item: int) -> float:
+        seen.append(item)
+        return item * 1.5
+
+    code = textwrap.dedent("""\
+        import host
+        def transform(r):
+            if r == 3:
+                while True:
+                    pass
+            return host.price(r)
+    """)
+    with wasibox.Transform(code, functions={"price": price}, on_error="collect",
+                           limits=wasibox.Limits(fuel=100_000_000)) as t:
+        out = t.map(range(4), batch_size=4, progress=False)
+    assert out[:3] == [0.0, 1.5, 3.0] and isinstance(out[3], wasibox.Failed)
+    # The batch ran out of fuel, so it was split and its records re-ran: at least once each.
+    assert sorted(set(seen)) == [0, 1, 2] and len(seen) > 3

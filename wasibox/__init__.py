@@ -5,7 +5,11 @@
 '2\\n'
 """
 
+from ._concurrency import RunHandle
+from ._control import RunState
 from ._errors import (
+    Busy,
+    ConfigError,
     GuestBuildError,
     GuestError,
     LimitExceeded,
@@ -24,7 +28,9 @@ from ._transform import Failed, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 
 __all__ = [
+    "Busy",
     "CapabilityEvent",
+    "ConfigError",
     "Failed",
     "FileRecord",
     "GuestBuildError",
@@ -36,7 +42,9 @@ __all__ = [
     "Limits",
     "Mount",
     "RefusedFile",
+    "RunHandle",
     "RunResult",
+    "RunState",
     "Sandbox",
     "SandboxClosed",
     "Transform",

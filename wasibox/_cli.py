@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ._errors import WasiboxError
+from ._errors import UsageError, WasiboxError
+from ._files import Mount
 from ._limits import Limits
 from ._terminal import inert
 from ._version import __version__
@@ -41,6 +42,7 @@ examples:
   wasibox run script.py
   wasibox run -c 'print(sum(range(10)))'
   wasibox run --timeout 1 --json -c 'while True: pass'
+  wasibox run --mount ./data:/data --mount ./out:/out:rw --scratch /tmp report.py
 """
 
 
@@ -88,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
                           "is not usable; TCG is not a security boundary")
     run.add_argument("--json", action="store_true",
                      help="print the whole result as JSON instead of relaying output")
+    files = run.add_argument_group("files (the guest has none unless granted)")
+    files.add_argument("--mount", action="append", default=[], metavar="HOST:GUEST[:rw]",
+                       help="show host directory HOST to the guest at GUEST, read-only unless "
+                            "':rw' is added (then its changes are published only if the run "
+                            "ends ok); repeatable")
+    files.add_argument("--scratch", metavar="GUEST",
+                       help="a private, empty, writable directory at GUEST (e.g. /tmp), "
+                            "thrown away after the run")
     run.set_defaults(handler=_cmd_run)
 
     prepare = commands.add_parser(
@@ -96,6 +106,28 @@ def _parser() -> argparse.ArgumentParser:
                     "(about 10-30 s), with progress. Both are cached; running this again is "
                     "instant.")
     prepare.set_defaults(handler=_cmd_prepare)
+
+    serve = commands.add_parser(
+        "serve", help="serve runs over HTTP to tenants defined in a config file",
+        description="Serve POST /v1/run and /v1/call (JSON in, RunResult out), GET /healthz, "
+                    "GET /metrics (Prometheus) and /openapi.json, with uvicorn. Every /v1/ "
+                    "request needs a tenant's bearer token; each tenant has its own limits, "
+                    "grants, concurrency, queue and rate limit (see the README's "
+                    "'wasibox serve' section for the config file). Logs one JSON line per run "
+                    "on stderr.",
+        epilog="example:\n  wasibox serve --config wasibox.toml --host 127.0.0.1 --port 8080\n"
+               "  printf %s \"$TOKEN\" | sha256sum    # the token_sha256 of a tenant",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", required=True, metavar="FILE",
+                       help="the TOML configuration (tenants, tokens, limits)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8080,
+                       help="port to listen on; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"],
+                       help="level of the per-run log lines (default: %(default)s)")
+    serve.set_defaults(handler=_cmd_serve)
 
     doctor = commands.add_parser(
         "doctor", help="report versions, the guest's state and what this machine supports",
@@ -142,9 +174,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
+    mounts = [_mount(text) for text in args.mount]
+    if args.scratch:
+        mounts.append(Mount.scratch(args.scratch))
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
-                 entropy="real" if args.real_entropy else "seeded", backend=args.backend,
-                 allow_emulation=args.allow_emulation) as sandbox:
+                 entropy="real" if args.real_entropy else "seeded", mounts=mounts,
+                 backend=args.backend, allow_emulation=args.allow_emulation) as sandbox:
         result = sandbox.run(code)
     if args.json:
         print(json.dumps(result.to_dict(), default=_json_default, indent=2))
@@ -166,6 +201,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _relay(stream: TextIO, guest_text: str) -> None:
     """Write guest text; to a terminal only with its control sequences made inert."""
     stream.write(inert(guest_text) if stream.isatty() else guest_text)
+def _mount(text: str) -> Mount:
+    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
+    host, _, rest = text.partition(":")
+    guest, _, mode = rest.partition(":")
+    if not host or not guest or mode not in ("", "ro", "rw"):
+        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
+    return Mount(host, guest, writable=mode == "rw")
 
 
 def _json_default(value: Any) -> Any:
@@ -187,6 +229,17 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     print(f"guest sha256 {artifact.digest}")
     print(f"guest minimum memory {rt.min_memory_bytes} bytes")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ._server import serve
+
+    try:
+        return serve(args.config, args.host, args.port, log_level=args.log_level)
+    except OSError as exc:
+        print(f"wasibox: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

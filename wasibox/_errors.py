@@ -6,8 +6,10 @@
     ├── GuestError                guest code raised (or exited non-zero); carries its traceback
     ├── LimitExceeded             a run hit a limit; ``.limit`` says which, ``.result`` the rest
     ├── GuestBuildError           the guest component could not be built or loaded
-    ├── SandboxClosed             the Sandbox was used after ``close()``
+    ├── Busy                      max_concurrency runs are active and max_queue more wait
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
+        ├── SandboxClosed         the Sandbox was used after ``close()``
+        └── ConfigError           a service configuration file is invalid (names the key)
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from ._result import GuestException, RunResult
 
 __all__ = [
+    "Busy",
+    "ConfigError",
     "GuestBuildError",
     "GuestError",
     "LimitExceeded",
@@ -45,8 +49,24 @@ class SandboxClosed(UsageError):
     """A Sandbox was used after it was closed."""
 
 
+class ConfigError(UsageError):
+    """A service configuration file could not be read or is invalid; the message names
+    each bad key (``tenants.alice.limits.fuel: ...``)."""
+
+
 class GuestBuildError(WasiboxError):
     """The guest component could not be built, compiled or loaded."""
+
+
+class Busy(WasiboxError):
+    """A run was refused at once: the Sandbox already runs ``max_concurrency`` runs and
+    ``max_queue`` more are waiting. Nothing was started; retry later (a server answers 429)."""
+
+    def __init__(self, max_concurrency: int, max_queue: int) -> None:
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        super().__init__(f"the sandbox is busy: {max_concurrency} runs are active and "
+                         f"{max_queue} are queued; retry later")
 
 
 class GuestError(WasiboxError):

@@ -35,6 +35,8 @@ import ipaddress
 import math
 import re
 import socket
+import ssl
+import threading
 import time
 import urllib.parse
 import zlib
@@ -118,6 +120,10 @@ _CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization
 _CHUNK = 64 * 1024
 
 
+_default_tls: ssl.SSLContext | None = None
+_default_tls_lock = threading.Lock()
+
+
 def _default_resolver(name: str) -> list[str]:
     infos = socket.getaddrinfo(name, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
     return [str(info[4][0]) for info in infos]
@@ -154,6 +160,9 @@ class HttpPolicy:
     ``timeout_s`` the whole request including redirects, and ``max_redirects`` the hops
     followed, each one checked like the first.
 
+    ``ssl_context`` verifies https servers (default: httpx's, with certifi's CA bundle); the
+    certificate is always checked against the *name* in the URL, never the address.
+
     For tests only: ``resolver`` replaces DNS (a callable from a name to address strings),
     and ``allow_loopback`` names allowlisted *names* that may resolve to loopback (literal
     loopback addresses stay denied).
@@ -171,6 +180,8 @@ class HttpPolicy:
     resolver: Callable[[str], Sequence[str]] | None = dataclasses.field(
         default=None, repr=False, compare=False)
     allow_loopback: Sequence[str] = ()
+    ssl_context: ssl.SSLContext | None = dataclasses.field(default=None, repr=False,
+                                                           compare=False)
     _rules: tuple[_Rule, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -197,6 +208,8 @@ class HttpPolicy:
                 raise UsageError(f"HttpPolicy.{name} must be a non-negative int, not {value!r}")
         if self.resolver is not None and not callable(self.resolver):
             raise UsageError("HttpPolicy.resolver must be a callable from a name to addresses")
+        if self.ssl_context is not None and not isinstance(self.ssl_context, ssl.SSLContext):
+            raise UsageError("HttpPolicy.ssl_context must be an ssl.SSLContext")
         if isinstance(self.allow_loopback, str):
             raise UsageError("HttpPolicy.allow_loopback must be a list of names")
         object.__setattr__(self, "allow_loopback",
@@ -350,7 +363,8 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address
     if address.sixtofour is not None:
         found.append(address.sixtofour)
     low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    if address in _NAT64_WELL_KNOWN or int(address) >> 32 == 0:  # NAT64, IPv4-compatible
+    compatible = int(address) >> 32 == 0 and not (address.is_loopback or address.is_unspecified)
+    if address in _NAT64_WELL_KNOWN or compatible:  # NAT64, or IPv4-compatible (::a.b.c.d)
         found.append(low32)
     return found
 
@@ -388,6 +402,19 @@ class HttpGate:
         self.policy = policy
         self._resolve = policy.resolver or _default_resolver
 
+    def _tls(self) -> ssl.SSLContext:
+        """The TLS context: the policy's, or httpx's default, made once per process."""
+        if self.policy.ssl_context is not None:
+            return self.policy.ssl_context
+        global _default_tls
+        with _default_tls_lock:
+            if _default_tls is None:
+                import httpx
+
+                # trust_env=False: SSL_CERT_FILE and friends are ambient configuration too.
+                _default_tls = httpx.create_ssl_context(trust_env=False)
+            return _default_tls
+
     def __call__(self, request: dict[str, Any], deadline: float,
                  log: list[CapabilityEvent]) -> dict[str, Any]:
         """Make one request (following redirects); return the response for the guest.
@@ -413,11 +440,14 @@ class HttpGate:
         timeout = request.get("timeout")
         if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
             deadline = min(deadline, time.monotonic() + timeout)
-        transport = httpx.HTTPTransport(trust_env=False, retries=0, http1=True, http2=False)
+        transport = httpx.HTTPTransport(verify=self._tls(), trust_env=False, retries=0,
+                                        http1=True, http2=False)
         with transport:
             for _hop in range(policy.max_redirects + 1):
                 hop_started = time.perf_counter()
                 try:
+                    if method not in policy.methods:  # a redirect may have changed it
+                        raise _Denied(f"method {method!r} is not allowed")
                     target = parse_url(current_url)
                     addresses = self._check(target)
                 except _Denied as exc:
@@ -537,9 +567,10 @@ class HttpGate:
             response = transport.handle_request(request)
         except httpx.TimeoutException:
             raise _Failed("the request timed out") from None
+        except httpx.ConnectError:
+            raise _Failed("the request failed: could not connect") from None
         except httpx.HTTPError:
-            raise _Failed("the request failed: could not connect or the server broke the "
-                          "protocol") from None
+            raise _Failed("the server broke the protocol") from None
         try:
             raw_headers = response.headers.raw
             if (len(raw_headers) > policy.max_header_count
@@ -551,7 +582,7 @@ class HttpGate:
         except httpx.TimeoutException:
             raise _Failed("the request timed out") from None
         except httpx.HTTPError:
-            raise _Failed("the server broke the protocol while sending the response") from None
+            raise _Failed("the server broke the protocol while sending its response") from None
         finally:
             response.close()
         reason = response.extensions.get("reason_phrase", b"")

@@ -20,6 +20,8 @@ class Limit(enum.StrEnum):
     MEMORY = "memory"  #: the guest's linear memory
     OUTPUT = "output"  #: bytes written to stdout and stderr together
     HOST_CALLS = "host_calls"  #: calls to host functions (and HTTP): their number and bytes
+    #: the caller cancelled the run (``RunHandle.cancel()`` or cancelling the awaiting task)
+    CANCELLED = "cancelled"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from ._concurrency import RunHandle, Runner
+from ._control import RunControl
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
-from ._files import Mount, check_mounts, run_with_files
+from ._files import FileSession, Mount, check_mounts, run_with_files
 from ._hostcall import check_functions
 from ._http import HttpPolicy
-from ._limits import Limits
+from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
@@ -26,7 +29,11 @@ class Sandbox:
 
     The guest gets nothing by default: no files, network, environment or real clock. Runs
     are deterministic unless ``clock="real"`` or ``entropy="real"`` grants the host's.
-    One Sandbox may be used from several threads at once.
+    One Sandbox may be used from several threads and tasks at once. With
+    ``max_concurrency=N``, at most N runs execute at a time, up to ``max_queue`` more wait
+    for a slot, and any further run raises Busy at once; the Wasmtime backend then keeps N
+    instances warm. ``arun``/``acall`` are the async twins of ``run``/``call``; ``start``
+    returns a ``RunHandle`` to await, wait for or cancel.
 
     States: open from construction until ``close()`` (or the end of a ``with`` block);
     closed afterwards, when every method but ``close`` raises SandboxClosed.
@@ -36,6 +43,8 @@ class Sandbox:
     ``functions`` grants host functions by name (``import host; host.lookup(42)`` in the
     guest), and ``http`` grants mediated HTTP under an ``HttpPolicy``; both are off by
     default, and every decision they make is in ``RunResult.capability_log``.
+    ``max_concurrency`` bounds the runs in flight at once (and sizes the warm pool);
+    ``max_queue`` more may wait, and past that a run fails fast with Busy.
 
     ``backend="auto"`` (the default) runs on wasm unless the code needs a module the wasm
     guest lacks and the microVM image has: decided before the run from a static scan of its
@@ -45,8 +54,8 @@ class Sandbox:
     is not a security boundary; without it such a run raises UsageError.
 
     Raises UsageError for an unknown backend, clock or entropy setting, a bad mount, a host
-    function name that is not an identifier or a value that is not callable, or an ``http``
-    that is not an ``HttpPolicy``.
+    function name that is not an identifier or a value that is not callable, an ``http``
+    that is not an ``HttpPolicy``, or a bad max_concurrency or max_queue.
     """
 
     def __init__(
@@ -63,6 +72,8 @@ class Sandbox:
         functions: Mapping[str, Callable[..., Any]] | None = None,
         allow_emulation: bool | None = None,
         requires: Sequence[str] = (),
+        max_concurrency: int | None = None,
+        max_queue: int = 0,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -90,8 +101,11 @@ class Sandbox:
         self.requires = tuple(requires)
         self._allow_emulation = allow_emulation
         self._auto = backend == "auto"
-        self._backend = _make_backend("wasm" if self._auto else backend, allow_emulation)
+        self._backend = _make_backend("wasm" if self._auto else backend, allow_emulation,
+                                      pool_size=max_concurrency)
         self._microvm: Backend | None = None
+        self._runner = Runner(self._execute, self._cancelled_result,
+                              max_concurrency=max_concurrency, max_queue=max_queue)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -106,19 +120,30 @@ class Sandbox:
 
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
-        ``limits.source_bytes``, or if the arguments cannot cross the boundary, and
-        SandboxClosed after ``close()``.
+        ``limits.source_bytes``, or if the arguments cannot cross the boundary, Busy if
+        ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
+        after ``close()``.
         """
-        code = self._check_source(code)
-        if entry is None:
-            if args or kwargs:
-                raise UsageError("args and kwargs need an entry function to pass them to")
-            return self._execute(Job(op="run", code=code, limits=self.limits,
-                                     policy=self.policy))
-        if not isinstance(entry, str) or not entry.isidentifier():
-            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return self._execute(Job(op="call", code=code, limits=self.limits, policy=self.policy,
-                                 entry=entry, args=tuple(args), kwargs=dict(kwargs or {})))
+        return self._runner.run(self._job(code, entry, args, kwargs))
+
+    async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> RunResult:
+        """``run`` for async code: the run executes on a worker thread; the loop never blocks.
+
+        Cancelling the awaiting task stops the guest promptly, frees its instance, and then
+        raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
+        """
+        return await self.start(code, entry=entry, args=args, kwargs=kwargs)
+
+    def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
+              kwargs: Mapping[str, Any] | None = None) -> RunHandle:
+        """Start a run on a worker thread and return its handle at once.
+
+        ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
+        stops it (its result then says ``limit_exceeded == "cancelled"``). Raises Busy if
+        the queue is full, and UsageError/SandboxClosed as ``run`` does.
+        """
+        return self._runner.start(self._job(code, entry, args, kwargs))
 
     def call(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run ``code``, then call its function ``entry`` with the arguments; return its value.
@@ -128,12 +153,18 @@ class Sandbox:
         """
         return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs))
 
+    async def acall(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``call`` for async code; raises as ``call`` and ``arun`` do."""
+        return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs))
+
     def close(self) -> None:
-        """Close the sandbox; idempotent. Runs already in progress finish normally."""
+        """Close the sandbox; idempotent. Runs already in progress finish normally; runs
+        still queued end at once as cancelled."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._runner.close()
         self._backend.close()
         if self._microvm is not None:
             self._microvm.close()
@@ -173,14 +204,39 @@ class Sandbox:
         Returns what the backend observed; the reply is decoded by wasibox/_batch.py.
         """
         code = self._check_source(code)
-        return self._backend.execute(Job(op="batch", code=code, limits=self.limits,
-                                         policy=self.policy, entry=entry, records=records,
-                                         star=star))
+        job = Job(op="batch", code=code, limits=self.limits, policy=self.policy, entry=entry,
+                  records=records, star=star)
+        if not job.policy.mounts:
+            return self._backend.execute(job)
+        # Writes are published for a batch that ran to its end; a batch that is split and
+        # re-run (see wasibox/_transform.py) publishes from its re-runs instead.
+        with FileSession(job.policy.mounts, job.limits.open_files) as session:
+            outcome = self._backend.execute(dataclasses.replace(job, files=session))
+            if outcome.reply is not None and outcome.limit_exceeded is None:
+                session.publish()
+        return outcome
 
-    def _execute(self, job: Job) -> RunResult:
+    def _job(self, code: str, entry: str | None, args: Sequence[Any],
+             kwargs: Mapping[str, Any] | None) -> Job:
+        """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
+        code = self._check_source(code)
+        if entry is None:
+            if args or kwargs:
+                raise UsageError("args and kwargs need an entry function to pass them to")
+            return Job(op="run", code=code, limits=self.limits, policy=self.policy)
+        if not isinstance(entry, str) or not entry.isidentifier():
+            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
+        return Job(op="call", code=code, limits=self.limits, policy=self.policy,
+                   entry=entry, args=tuple(args), kwargs=dict(kwargs or {}))
+
+    def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
         return run_with_files(job, lambda job: build_result(
-            backend.execute(job), backend.name, REPLY_LIMIT_BYTES))
+            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES))
+
+    def _cancelled_result(self, job: Job) -> RunResult:
+        return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
+                            REPLY_LIMIT_BYTES)
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""
@@ -213,13 +269,14 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
-def _make_backend(backend: str | Backend, allow_emulation: bool | None = None) -> Backend:
+def _make_backend(backend: str | Backend, allow_emulation: bool | None = None, *,
+                  pool_size: int | None = None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     if backend == "wasm":
         from .backends.wasm import WasmBackend
 
-        return WasmBackend()
+        return WasmBackend(pool_size=pool_size)
     if backend == "microvm":
         from .backends.microvm import MicroVMBackend
 

@@ -11,6 +11,9 @@ How a map runs:
   the limit on its own. Splitting is deterministic, so the outputs never depend on the batch
   size. Records that re-run call host functions again: with ``functions=``, a host function
   may see the same record more than once, so make it idempotent (or use ``batch_size=1``).
+* **Pipelining.** While one batch is decoded on the calling thread, the next one already
+  runs (wasm runs without the GIL), so at most two batches are in memory, and a batch may
+  run before an earlier record's failure is raised.
 * **Determinism.** The same code, records, seed and batch size give the same outputs and the
   same fuel in every process with the same guest digest. Outputs do not depend on the batch
   size as long as the function does not carry state from one record to the next (globals,
@@ -22,6 +25,7 @@ How a map runs:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -29,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import msgpack
@@ -281,25 +286,46 @@ class Transform:
         done = failed = 0
         fuel_before = self._fuel_used
         index = start
-        while batch := list(itertools.islice(records, size)):
-            items = self._run(batch, index)
-            index += len(batch)
-            done += len(batch)
-            for item in items:
-                if isinstance(item, Failed):
-                    failed += 1
-                    if policy == "raise":
-                        raise item.error
-                    if policy == "skip":
-                        continue
-                yield item
-            if report is not None:
-                report(TransformProgress(done=done, total=total, failed=failed,
-                                         fuel_used=self._fuel_used - fuel_before,
-                                         elapsed_s=time.perf_counter() - started))
+        # The next batch runs on a worker thread (wasm runs without the GIL) while this
+        # thread decodes the previous one: two batches in memory at most.
+        ahead: collections.deque[tuple[list[Any], int, Future[Outcome]]] = collections.deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wasibox-transform") as pool:
+
+            def submit_next() -> None:
+                nonlocal index
+                if batch := list(itertools.islice(records, size)):
+                    ahead.append((batch, index, pool.submit(self._attempt, batch, index)))
+                    index += len(batch)
+
+            try:
+                submit_next()
+                while ahead:
+                    batch, first, future = ahead.popleft()
+                    submit_next()
+                    items = self._settle(batch, first, future.result())
+                    done += len(batch)
+                    for item in items:
+                        if isinstance(item, Failed):
+                            failed += 1
+                            if policy == "raise":
+                                raise item.error
+                            if policy == "skip":
+                                continue
+                        yield item
+                    if report is not None:
+                        report(TransformProgress(done=done, total=total, failed=failed,
+                                                 fuel_used=self._fuel_used - fuel_before,
+                                                 elapsed_s=time.perf_counter() - started))
+            finally:
+                for _, _, future in ahead:
+                    future.cancel()
 
     def _run(self, batch: list[Any], index: int) -> list[Any]:
         """Outputs (or Failed) for ``batch``, whose first record has index ``index``."""
+        return self._settle(batch, index, self._attempt(batch, index))
+
+    def _attempt(self, batch: list[Any], index: int) -> Outcome:
+        """Run ``batch`` in one fresh instance; raises UsageError for a non-plain record."""
         try:
             payload = encode_records(batch)
         except (ValueError, TypeError) as exc:
@@ -310,6 +336,10 @@ class Transform:
         with self._lock:
             self._fuel_used += outcome.fuel_used
             self._batches += 1
+        return outcome
+
+    def _settle(self, batch: list[Any], index: int, outcome: Outcome) -> list[Any]:
+        """Decode a batch's outcome; split and re-run it if it exceeded a limit."""
         problem = outcome.limit_exceeded is not None or outcome.reply is None
         reply = None
         if not problem:

@@ -33,8 +33,10 @@ back-references or interning flags, so equal records always give the same bytes 
 same fuel)::
 
     {"op": "batch", "code": str, "entry": str, "seed": int | None,
-     "records": bytes,   # marshal(list of records, 2); records are plain data, tuples kept
      "star": bool}       # each record is a tuple of positional arguments
+
+followed by a NUL and then ``marshal(list of records, 2)``, one character per byte (base64
+cost the guest ~50 fuel per character to decode). Records are plain data; tuples are kept.
 
 The batch reply is JSON, written by the runner's ``_execute_batch`` and checked on the host by
 ``wasibox/_batch.py`` (the host never unmarshals guest bytes)::
@@ -46,8 +48,12 @@ The batch reply is JSON, written by the runner's ``_execute_batch`` and checked 
              | {"json": [value, ...], "packed": {position: base64(msgpack(value))}}
              | None}
 
-A column is ``"q" + base64(little-endian int64s)``, ``"d" + base64(float64s)``, or a JSON
-list of scalars; columns hold the records that did not fail, in order. ``json`` holds one
+The JSON is followed by a NUL and the raw bytes of the numeric columns, one character per
+byte (JSON never contains a raw NUL; escaping or base64 cost more fuel than packing). A
+column is ``"q"`` (little-endian int64s) or ``"d"`` (float64s), whose ``8 * rows`` bytes come
+next in that tail, in column order, or a JSON list of scalars; columns hold the records that
+did not fail, in order. Before parsing, the host checks the JSON nests no deeper than
+``MAX_DEPTH`` plus the reply's own levels (see ``check_json_depth``). ``json`` holds one
 value per record (``null`` for failed and packed ones); a value goes there only if JSON
 round-trips it exactly, otherwise it is packed with msgpack (bytes, tuples, non-str keys).
 
@@ -68,7 +74,7 @@ from typing import Any
 import msgpack
 
 __all__ = ["MAX_DEPTH", "MARSHAL_VERSION", "ProtocolError", "Reply", "as_msgpack_values",
-           "check_depth", "decode_reply", "encode_request"]
+           "check_depth", "check_json_depth", "decode_reply", "encode_request"]
 
 #: Deepest nesting accepted in a value that crosses the boundary. msgpack's own decoder
 #: accepts 1024, deep enough to exhaust the host's recursion limit in code that walks it.
@@ -104,6 +110,12 @@ def as_msgpack_values(value: Any) -> Any:
 def encode_request(fields: dict[str, Any]) -> str:
     """Encode a request for the guest runner; raises TypeError for non-msgpack arguments."""
     fields = dict(fields)
+    if fields.get("op") == "batch":
+        # The records follow a NUL, one character per byte: base64 cost the guest ~50 fuel
+        # per character to decode, more than the records' own marshal.loads.
+        records: bytes = fields.pop("records")
+        return (base64.b64encode(marshal.dumps(fields, MARSHAL_VERSION)).decode("ascii")
+                + "\x00" + records.decode("latin-1"))
     for key in ("args", "kwargs"):
         if fields.get(key):
             fields[key] = as_msgpack_values(fields[key])
@@ -158,6 +170,26 @@ def _decode_value(encoded: Any) -> Any:
         raise ProtocolError(f"the guest's return value is not valid msgpack: {exc}") from None
     check_depth(value)
     return value
+
+
+def check_json_depth(text: str, limit: int) -> None:
+    """Raise ProtocolError if JSON ``text`` nests deeper than ``limit``, without parsing it.
+
+    json.loads recurses in C once per level, up to the host's recursion limit, so a forged
+    ``'[' * 10**6`` must be refused before it is parsed. Strings are removed, then the
+    innermost empty brackets, level by level: each pass is one C-speed scan.
+    """
+    structure = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
+    for _ in range(limit):
+        if not structure:
+            return
+        structure = structure.replace("[]", "").replace("{}", "")
+    if structure:
+        raise ProtocolError(f"the guest's reply nests deeper than {limit} levels")
+
+
+#: Runs of characters that are not brackets.
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:

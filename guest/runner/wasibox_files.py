@@ -34,12 +34,9 @@ _BUFFER_SIZE = 1 << 16  # bigger than io's default: each refill is a host call
 _READ_ALL_CHUNK = 1 << 20
 
 _ERRNO = {code: getattr(errno, "E" + code.name) for code in _files.ErrorCode}
-_KIND_BITS = {
-    _files.FileKind.REGULAR: _stat.S_IFREG,
-    _files.FileKind.DIRECTORY: _stat.S_IFDIR,
-    _files.FileKind.SYMLINK: _stat.S_IFLNK,
-    _files.FileKind.OTHER: 0,
-}
+# Index = the `kind` field of a stat string (capabilities/files/files.wit).
+_KIND_BITS = (_stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK, 0)
+_SYMLINK, _DIRECTORY = 2, 1
 _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}
 
 _real = {name: getattr(os, name) for name in (
@@ -91,12 +88,16 @@ def _no_dir_fd(dir_fd, name):
         raise NotImplementedError(f"{name}: dir_fd unavailable on this platform")
 
 
-def _stat_result(info):
-    mode = _KIND_BITS[info.kind] | info.mode
-    seconds = (info.atime // 10**9, info.mtime // 10**9, info.ctime // 10**9)
-    return os.stat_result((mode, info.ino, info.dev, info.nlink, 0, 0, info.size, *seconds,
-                           info.atime / 1e9, info.mtime / 1e9, info.ctime / 1e9,
-                           info.atime, info.mtime, info.ctime))
+def _fields(text):
+    """The nine integers of a stat string: kind mode size ino dev nlink atime mtime ctime."""
+    return [int(field) for field in text.split(" ")]
+
+
+def _stat_result(fields):
+    kind, mode, size, ino, dev, nlink, atime, mtime, ctime = fields
+    return os.stat_result((_KIND_BITS[kind] | mode, ino, dev, nlink, 0, 0, size,
+                           atime // 10**9, mtime // 10**9, ctime // 10**9,
+                           atime / 1e9, mtime / 1e9, ctime / 1e9, atime, mtime, ctime))
 
 
 # -- os: descriptors --------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def _lseek(fd, position, how):
 def _fstat(fd):
     if fd not in _fds:
         return _real["fstat"](fd)
-    return _stat_result(_call(_files.fstat, fd))
+    return _stat_result(_fields(_call(_files.fstat, fd)))
 
 
 def _ftruncate(fd, length):
@@ -180,10 +181,10 @@ def _os_stat(path, *, dir_fd=None, follow_symlinks=True):
     if isinstance(path, int):
         return _fstat(path)
     _no_dir_fd(dir_fd, "stat")
-    info = _call(_files.stat, _path(path), filename=path)
-    if follow_symlinks and info.kind == _files.FileKind.SYMLINK:
+    fields = _fields(_call(_files.stat, _path(path), filename=path))
+    if follow_symlinks and fields[0] == _SYMLINK:
         raise _error(_files.ErrorCode.LOOP, path)  # links are never followed
-    return _stat_result(info)
+    return _stat_result(fields)
 
 
 def _lstat(path, *, dir_fd=None):
@@ -378,8 +379,7 @@ def _chdir(path):
     if isinstance(path, int):
         raise _error(_files.ErrorCode.BADF)
     target = _path(path)
-    info = _call(_files.stat, target, filename=path)
-    if info.kind != _files.FileKind.DIRECTORY:
+    if _fields(_call(_files.stat, target, filename=path))[0] != _DIRECTORY:
         raise _error(_files.ErrorCode.NOTDIR, path)
     _cwd = posixpath.normpath(target)
 

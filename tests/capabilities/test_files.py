@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import os
 import stat
 import subprocess
@@ -709,3 +710,82 @@ def test_nested_guest_paths_make_virtual_directories(tree: dict[str, Path]) -> N
                         os.listdir("/mnt/inputs/data/sub"), code]
         """)
         assert value == [["mnt"], ["inputs"], True, ["deeper"], "EACCES"]
+
+
+def test_scratch_is_private_to_each_run_and_discarded(tree: dict[str, Path], fds: int) -> None:
+    code = """
+        import os, tempfile
+        def main():
+            before = os.listdir("/tmp")
+            with tempfile.NamedTemporaryFile("w+", suffix=".txt") as f:
+                f.write("scratch data")
+                f.seek(0)
+                data = f.read()
+            with open("/tmp/left.txt", "w") as f:
+                f.write("left behind")
+            return [before, data, tempfile.gettempdir()]
+    """
+    with wasibox.Sandbox(mounts=[wasibox.Mount(tree["data"], "/data"),
+                                 wasibox.Mount(tree["out"], "/out", writable=True),
+                                 wasibox.Mount.scratch("/tmp", quota_bytes="1MiB")]) as sb:
+        scratch_dirs = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("wasibox-scratch-*"))
+        assert call(sb, code) == [[], "scratch data", "/tmp"]
+        r = sb.run(textwrap.dedent(code), entry="main")
+        assert r.value[0] == [] and r.files == []  # nothing persisted, nothing published
+        assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("wasibox-scratch-*")) == \
+            scratch_dirs
+        assert_healthy(sb, tree, fds)
+    with pytest.raises(wasibox.UsageError, match="writable"):
+        wasibox.Mount(None, "/tmp")
+
+
+def test_directory_nesting_is_capped(tree: dict[str, Path], fds: int) -> None:
+    from wasibox._files import MAX_DEPTH
+    with sandbox(tree) as sb:
+        value = call(sb, f"""
+            import os
+            def main():
+                path = "/out"
+                for depth in range({MAX_DEPTH} + 5):
+                    path += "/d"
+                    try:
+                        os.mkdir(path)
+                    except OSError as exc:
+                        return [depth, errorcode[exc.errno]]
+        """)
+        assert value == [MAX_DEPTH, "ENAMETOOLONG"]
+        assert_healthy(sb, tree, fds)
+    # A tree planted deeper than that (by a backend that writes the staging tree directly)
+    # is refused at publishing, not walked.
+    with FileSession([wasibox.Mount(tree["out"], "/out", writable=True)], 8) as session:
+        deep = session.trees["/out"].joinpath(*["e"] * (MAX_DEPTH + 3))
+        deep.mkdir(parents=True)
+        (deep / "f.txt").write_text("deep")
+        records, refused = session.publish()
+    assert [r.reason for r in refused] == ["nested too deep"]
+    assert records == []
+
+
+def test_a_vanished_host_directory_is_a_usage_error(tree: dict[str, Path]) -> None:
+    with sandbox(tree) as sb:
+        tree["data"].rename(tree["root"] / "moved")
+        with pytest.raises(wasibox.UsageError, match="host directory"):
+            sb.run("pass")
+
+
+def test_command_line_mounts(tree: dict[str, Path]) -> None:
+    from tests.test_cli import wasibox_cli
+
+    code = ("import tempfile\n"
+            "open('/out/n.txt', 'w').write(open('/data/in.csv').read().upper())\n"
+            "print(tempfile.gettempdir())")
+    done = wasibox_cli("run", "--mount", f"{tree['data']}:/data",
+                       "--mount", f"{tree['out']}:/out:rw", "--scratch", "/tmp", "--json",
+                       "-c", code)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["stdout"] == "/tmp\n"
+    assert [f["path"] for f in result["files"]] == ["/out/n.txt"]
+    assert (tree["out"] / "n.txt").read_text() == "A,B\n1,2\n3,4\n"
+    bad = wasibox_cli("run", "--mount", "nowhere", "-c", "pass")
+    assert bad.returncode == 2 and "--mount takes" in bad.stderr

@@ -165,22 +165,23 @@ _SMALL_STACK_HOST = textwrap.dedent("""
     sandbox = wasibox.Sandbox()
     threading.stack_size(int(sys.argv[1]))
     results = []
-    bomb = "import json\\njson.loads('[' * 10**6 + ']' * 10**6)"
-    worker = threading.Thread(target=lambda: results.append(sandbox.run(bomb)))
+    bombs = ["import json\\njson.loads('[' * 10**6 + ']' * 10**6)",  # while running
+             "x = 1" + "+1" * 30000]  # while compiling (in the Sandbox's compiler instance)
+    worker = threading.Thread(target=lambda: results.extend(map(sandbox.run, bombs)))
     worker.start()
     worker.join()
     threading.stack_size(0)
-    print(results[0].error.type, sandbox.run("print(6 * 7)").stdout.strip())
+    print(*(r.error.type for r in results), sandbox.run("print(6 * 7)").stdout.strip())
 """)
 
 
 @pytest.mark.parametrize("stack_bytes", [256 * 1024, 1 << 20])
 def test_a_recursion_bomb_on_a_small_stack_thread_does_not_crash_the_host(
         stack_bytes: int) -> None:
-    # Regression: with a thread stack at or below max_wasm_stack, json.loads('[' * 10**6)
-    # ran off the native stack and the host died with SIGSEGV. A child process hosts it, so
-    # a regression fails this test instead of killing the test run.
+    # Regression: with a thread stack at or below max_wasm_stack, json.loads('[' * 10**6),
+    # or compiling a 30,000-term sum, ran off the native stack and the host died (SIGSEGV).
+    # A child process hosts it, so a regression fails this test instead of the test run.
     done = subprocess.run([PYTHON, "-c", _SMALL_STACK_HOST, str(stack_bytes)], env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["RecursionError", "42"]
+    assert done.stdout.split() == ["RecursionError", "RecursionError", "42"]

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._control import RunControl
 from .._http import HttpPolicy
 from .._limits import Limits
 from .._result import Outcome
@@ -89,8 +90,13 @@ class Backend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def execute(self, job: Job) -> Outcome:
-        """Run ``job`` in a fresh guest and report what happened."""
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
+        """Run ``job`` in a fresh guest and report what happened.
+
+        With ``control``, report each phase entered (``control.enter``) and stop the guest
+        promptly when it is cancelled (``control.on_cancel``), reporting
+        ``Limit.CANCELLED``; the guest instance is discarded either way.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release the backend's resources. Safe to call more than once."""

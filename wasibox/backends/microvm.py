@@ -73,6 +73,7 @@ from typing import Any, Literal
 
 import msgpack
 
+from .._control import RunControl, RunState
 from .._errors import UsageError, WasiboxError
 from .._events import CapabilityEvent
 from .._guest import cache_dir, file_lock
@@ -552,6 +553,11 @@ class _VM:
         finally:
             self.channel.sock.setblocking(False)
 
+    def stop(self) -> None:
+        """Kill the VM now, from any thread; ``kill`` still reaps it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def kill(self) -> None:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -814,7 +820,7 @@ class MicroVMBackend(Backend):
                 f"Sandbox(allow_emulation=True) or {ALLOW_EMULATION_ENV}=1 (and accept that "
                 "guest code is ~15-30x slower and less strongly isolated)")
 
-    def execute(self, job: Job) -> Outcome:
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         self.check_allowed()
         if job.policy.mounts:
             raise UsageError("mounts are not supported by the microVM backend yet; run code "
@@ -846,12 +852,21 @@ class MicroVMBackend(Backend):
             calls = HostCalls(functions=policy.functions, limits=limits,
                               http=HttpGate(policy.http) if policy.http is not None else None,
                               log=log)
+            control = control or RunControl()
+            control.enter(RunState.INSTANTIATING)
             vm = runtime.restore(memory_mib, paths)
+            control.enter(RunState.RUNNING)
+            detach = control.on_cancel(vm.stop)  # the VM is killed; the run reports cancelled
             try:
                 outcome = self._drive(vm, request, calls, limits.output_bytes,
                                       limits.memory_bytes, deadline, started)
             finally:
+                detach()
                 vm.kill()
+            if control.cancelled:
+                outcome = Outcome(limit_exceeded=Limit.CANCELLED, stdout=outcome.stdout,
+                                  stderr=outcome.stderr, duration_s=outcome.duration_s,
+                                  isolation=outcome.isolation)
             outcome.capability_log = tuple(log)
             return outcome
 

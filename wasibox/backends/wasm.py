@@ -37,6 +37,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ import wasmtime
 from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
+from .._control import RunControl, RunState
 from .._errors import GuestBuildError, UsageError
 from .._events import CapabilityEvent
 from .._files import FilesError, FileSession, StatInfo
@@ -95,6 +97,8 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "concurrency_support": False,
     "gc_support": False,
 }
+#: The most instances a runtime keeps warm, however large a Sandbox's max_concurrency.
+MAX_POOL_SIZE = 64
 _INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
 #: Compiled programs kept per WasmBackend (so per Sandbox): source plus marshalled code.
 COMPILE_CACHE_BYTES = 32 * 2**20
@@ -117,7 +121,7 @@ class _Run:
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
-                 "fault", "exit_code", "started", "log", "host_calls")
+                 "fault", "exit_code", "started", "log", "host_calls", "cancelled")
 
     def __init__(self, job: Job, store: wasmtime.Store) -> None:
         self.job = job
@@ -132,6 +136,8 @@ class _Run:
         self.output_room = job.limits.output_bytes
         self.deadline = math.inf
         self.cancel = threading.Event()
+        #: Set (with ``cancel``) by ``interrupt``, from any thread, when the caller cancels.
+        self.cancelled = False
         self.slept_ns = 0
         self.started = False
         policy = job.policy
@@ -184,8 +190,9 @@ class _Run:
             remaining = self.deadline - time.monotonic()
             if ns / 1e9 >= remaining:
                 self.cancel.wait(max(remaining, 0.0))
-                self.stop(Limit.TIMEOUT)
-            self.cancel.wait(ns / 1e9)
+                self.stop(Limit.CANCELLED if self.cancelled else Limit.TIMEOUT)
+            if self.cancel.wait(ns / 1e9) and self.cancelled:
+                self.stop(Limit.CANCELLED)
             return
         self.slept_ns += ns
         if self.virtual_ns(context) > self.job.limits.timeout_s * 1e9:
@@ -227,6 +234,11 @@ class _Run:
         return cm.Variant("ok" if reply.ok else "err", reply.payload)
 
     # -- stopping -------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Cancel the run from any thread: wake any host wait; the guest traps within a tick."""
+        self.cancelled = True
+        self.cancel.set()
+
     def stop(self, limit: Limit) -> None:
         """End the run now: record why, then trap out of the guest."""
         self.limit = self.limit or limit
@@ -249,6 +261,8 @@ def _host(function: Any) -> Any:
         run: _Run | None = getattr(_current, "run", None)
         if run is None:
             raise wasmtime.WasmtimeError("wasibox: host function called outside a run")
+        if run.cancelled:
+            run.stop(Limit.CANCELLED)
         try:
             return function(run, context._context(), *args)
         except wasmtime.WasmtimeError:
@@ -316,7 +330,7 @@ def _subscribe(run: _Run, context: Any, ns: int) -> None:
 _FILE_OPS = (
     ("open", "open", False), ("read", "read", True), ("write", "write", False),
     ("seek", "seek", False), ("truncate", "truncate", False), ("close", "close_fd", False),
-    ("fstat", "fstat", False), ("stat", "stat", False), ("readdir", "readdir", True),
+    ("fstat", "fstat", True), ("stat", "stat", True), ("readdir", "readdir", True),
     ("mkdir", "mkdir", False), ("unlink", "unlink", False), ("rmdir", "rmdir", False),
     ("rename", "rename", False), ("chmod", "chmod", False), ("utime", "utime", False),
     ("link", "link", False), ("symlink", "symlink", False), ("readlink", "readlink", True),
@@ -338,10 +352,7 @@ def _file_op(method: str, tagged: bool) -> Any:
         except OSError:  # the host's own disk failed under the operation
             return cm.Variant("err", "io") if tagged else "io"
         if isinstance(value, StatInfo):
-            record = cm.Record()
-            for field in StatInfo.__slots__:
-                setattr(record, field, getattr(value, field))
-            value = record
+            value = value.encode()
         return cm.Variant("ok", value) if tagged else value
 
     return op
@@ -395,6 +406,37 @@ def _c_output(fd: int) -> Any:
     return sink
 
 
+#: Called by Wasmtime, on the thread running the guest, whenever a store reaches its epoch
+#: deadline. Every run's deadline is one tick ahead, so this decides at every tick whether the
+#: run goes on (cancellation and the wall-clock limit are checked here) without any other
+#: thread touching the Store. Returning an error traps the guest.
+_DeadlineCallback = ctypes.CFUNCTYPE(
+    ctypes.c_size_t, ctypes.POINTER(ffi.wasmtime_context_t), ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ffi.wasmtime_update_deadline_kind_t))
+_NO_FINALIZER = ctypes.cast(0, ctypes.CFUNCTYPE(None, ctypes.c_void_p))
+_UPDATE_DEADLINE_CONTINUE = 0
+
+
+def _on_epoch_deadline(context: Any, data: Any, delta: Any, kind: Any) -> int:
+    run: _Run | None = getattr(_current, "run", None)
+    limit = None
+    if run is not None:
+        if run.cancelled:
+            limit = Limit.CANCELLED
+        elif time.monotonic() >= run.deadline:
+            limit = Limit.TIMEOUT
+    if limit is None or run is None:
+        delta[0] = 1
+        kind[0] = _UPDATE_DEADLINE_CONTINUE
+        return 0
+    run.limit = run.limit or limit
+    error = ffi.wasmtime_error_new(f"wasibox: {limit.value} limit exceeded".encode())
+    return ctypes.cast(error, ctypes.c_void_p).value or 0
+
+
+_ON_EPOCH_DEADLINE = _DeadlineCallback(_on_epoch_deadline)  # kept alive for the process
+
+
 class _Ticker:
     """Advances the engine's epoch every EPOCH_TICK_S while at least one run is active."""
 
@@ -443,6 +485,8 @@ class WasmRuntime:
         self.ticker = _Ticker(self.engine)
         self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
         self._pool_size = pool_size
+        self._base_pool_size = pool_size
+        self._pool_requests: dict[object, int] = {}
         self._pool_cond = threading.Condition()
         self._filler: threading.Thread | None = None
         self._closed = False
@@ -471,6 +515,33 @@ class WasmRuntime:
             self._pool_cond.notify()
             self._start_filler()
         return slot if slot is not None else self.instantiate()
+
+    def request_pool_size(self, size: int) -> Callable[[], None]:
+        """Keep up to ``size`` instances warm (the largest request wins, capped at
+        MAX_POOL_SIZE) until the returned function is called; it is idempotent."""
+        key = object()
+        with self._pool_cond:
+            self._pool_requests[key] = min(max(size, 0), MAX_POOL_SIZE)
+            self._resize_pool()
+
+        def release() -> None:
+            with self._pool_cond:
+                if self._pool_requests.pop(key, None) is not None:
+                    self._resize_pool()
+
+        return release
+
+    def pool_status(self) -> tuple[int, int]:
+        """(instances ready in the warm pool, instances it aims to keep ready)."""
+        with self._pool_cond:
+            return len(self._pool), self._pool_size
+
+    def _resize_pool(self) -> None:
+        self._pool_size = max([self._base_pool_size, *self._pool_requests.values()])
+        while len(self._pool) > self._pool_size:
+            self._pool.pop()  # an unused instance is dropped with its store
+        self._pool_cond.notify_all()
+        self._start_filler()
 
     def _start_filler(self) -> None:
         if self._pool_size > 0 and (self._filler is None or not self._filler.is_alive()):
@@ -523,20 +594,32 @@ class WasmBackend(Backend):
 
     name = "wasm"
 
-    def __init__(self, runtime_: WasmRuntime | None = None) -> None:
+    def __init__(self, runtime_: WasmRuntime | None = None, *,
+                 pool_size: int | None = None) -> None:
         self._runtime = runtime_ or runtime()
         self._compiler = _Compiler(self._runtime)
+        #: With pool_size, the runtime keeps that many instances warm until ``close``.
+        self._release_pool = (self._runtime.request_pool_size(pool_size)
+                              if pool_size is not None else None)
+
+    def close(self) -> None:
+        self._compiler.close()
+        if self._release_pool is not None:
+            self._release_pool()
 
     @property
     def min_memory_bytes(self) -> int:
         return self._runtime.min_memory_bytes
 
-    def execute(self, job: Job) -> Outcome:
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         rt = self._runtime
+        control = control or RunControl()
         if job.limits.memory_bytes < rt.min_memory_bytes:
             raise UsageError(
                 f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
                 f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
+        started = time.perf_counter()
+        control.enter(RunState.INSTANTIATING)
         fields = job.request()
         compiled = self._compiler.compile(job)
         if compiled is not None:
@@ -545,7 +628,6 @@ class WasmBackend(Backend):
             request = encode_request(fields)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
-        started = time.perf_counter()
         try:
             store, execute = rt.take()
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
@@ -555,14 +637,22 @@ class WasmBackend(Backend):
         store.set_limits(memory_size=job.limits.memory_bytes)
         reply: str | None = None
         exit_code: int | None = None
+        control.enter(RunState.RUNNING)
+        detach = control.on_cancel(run.interrupt)
         with rt.ticker:
-            store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
+            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE, None,
+                                                       _NO_FINALIZER)
+            store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
             run.deadline = time.monotonic() + job.limits.timeout_s
             try:
+                if run.cancelled:  # cancelled while instantiating: skip the guest entirely
+                    run.stop(Limit.CANCELLED)
                 reply = call_with_stack(lambda: _call_guest(run, execute, request),
                                         MIN_HOST_STACK)
             except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
                 exit_code = _classify(run, store, exc)
+            finally:
+                detach()
         duration = time.perf_counter() - started
         try:
             fuel_used = job.limits.fuel - store.get_fuel()
@@ -621,7 +711,8 @@ class _Compiler:
 
     def _compile(self, job: Job) -> bytes | None:
         if self._instance is None or self._compiles >= COMPILER_RECYCLE_AFTER:
-            self._instance, self._compiles = self._runtime.take(), 0
+            # Made here, not taken from the pool: pooled instances are for runs.
+            self._instance, self._compiles = self._runtime.instantiate(), 0
         store, execute = self._instance
         self._compiles += 1
         run = _Run(job, store)  # for its limits; compiling writes no output
@@ -643,6 +734,13 @@ class _Compiler:
         if reply.error is not None or type(reply.value) is not bytes:
             return None
         return reply.value
+
+    def close(self) -> None:
+        """Drop the compiler instance and the cache; a later compile starts afresh."""
+        with self._lock:
+            self._instance = None
+            self._cache.clear()
+            self._cache_bytes = 0
 
     def _keep(self, code: str, compiled: bytes) -> None:
         cost = len(code) + len(compiled)

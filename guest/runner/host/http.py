@@ -74,7 +74,10 @@ def _read_body(data):
 
 
 class _HostHandler(urllib.request.HTTPHandler):
-    """Serves http and https URLs for urllib through the host."""
+    """Serves http and https URLs for urllib through the host, and sends ftp there too (where
+    the policy refuses it), ahead of urllib's own handlers."""
+
+    handler_order = 100
 
     def http_open(self, req):
         timeout = req.timeout if isinstance(req.timeout, int | float) else None
@@ -89,7 +92,7 @@ class _HostHandler(urllib.request.HTTPHandler):
         response.reason = reply.reason
         return response
 
-    https_open = http_open
+    https_open = ftp_open = http_open
     https_request = urllib.request.HTTPHandler.http_request
 
 

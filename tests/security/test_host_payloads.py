@@ -1,0 +1,107 @@
+"""Host functions under attack, beyond tests/test_hostcall.py (which covers malformed
+payloads, length lies, depth bombs, names and the call limits): functions that raise
+BaseException, call floods and oversized payloads measured against the host's memory, and
+blocking functions abandoned by timed-out runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import wasibox
+from tests.security.conftest import HostBaseline, run_in_child_host, take_baseline
+from tests.test_hostcall import RAW_CHANNEL
+from wasibox import Limit
+
+
+def raises_system_exit() -> None:
+    raise SystemExit(3)
+
+
+def raises_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def raises_generator_exit() -> None:
+    raise GeneratorExit
+
+
+def blocks() -> int:
+    time.sleep(1.0)
+    return 1
+
+
+def echo(*args: Any) -> Any:
+    return list(args)
+
+
+FUNCTIONS = {"system_exit": raises_system_exit, "keyboard_interrupt": raises_keyboard_interrupt,
+             "generator_exit": raises_generator_exit, "blocks": blocks, "echo": echo}
+
+
+@pytest.fixture(scope="module")
+def sb() -> Iterator[wasibox.Sandbox]:
+    limits = wasibox.Limits(timeout_s=5, fuel=2_000_000_000, host_calls=300)
+    with wasibox.Sandbox(limits, functions=FUNCTIONS) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture()
+def host(sb: wasibox.Sandbox) -> HostBaseline:
+    assert sb.call("import host\ndef f():\n    return host.echo(1)", "f") == [1]  # warm worker
+    return take_baseline(sb)
+
+
+@pytest.mark.parametrize("name", ["system_exit", "keyboard_interrupt", "generator_exit"])
+def test_a_host_function_raising_base_exception_cannot_end_the_host(
+        sb: wasibox.Sandbox, host: HostBaseline, name: str) -> None:
+    r = sb.run(f"import host\ntry:\n    host.{name}()\nexcept host.HostError as exc:\n"
+               "    print(exc.type)\n")
+    assert r.ok, r.error
+    assert r.stdout.strip() in ("SystemExit", "KeyboardInterrupt", "GeneratorExit")
+    host.assert_unaffected(sb)
+
+
+def test_a_call_flood_ends_at_the_call_limit(sb: wasibox.Sandbox, host: HostBaseline) -> None:
+    r = sb.run("import host\nwhile True:\n    host.echo(1)\n")
+    assert r.limit_exceeded is Limit.HOST_CALLS
+    host.assert_unaffected(sb)
+
+
+def test_runs_that_abandon_a_blocking_function_do_not_accumulate_threads() -> None:
+    # A run that times out inside a host function ends at its deadline; the function's
+    # worker thread cannot be killed and finishes on its own (1 s here), then idles in the
+    # pool. Abandoned calls cost at most one thread each while they block, and the idle
+    # workers are reused: a second wave of six adds no thread to the first wave's six.
+    limits = wasibox.Limits(timeout_s=0.3)
+    with wasibox.Sandbox(limits, functions=FUNCTIONS) as sandbox:
+        assert sandbox.call("import host\ndef f():\n    return host.echo(1)", "f") == [1]
+        before = len(workers())
+        peaks = []
+        for _ in range(2):
+            for _ in range(6):
+                assert sandbox.run("import host\nhost.blocks()").limit_exceeded is \
+                    Limit.TIMEOUT
+            peaks.append(len(workers()))
+            time.sleep(1.2)  # the abandoned functions return
+        assert peaks[0] <= before + 6 and peaks[1] <= peaks[0]
+        assert sandbox.run("print(1)").ok
+
+
+def workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "wasibox-host-call"]
+
+
+def test_an_oversized_payload_costs_the_host_a_bounded_multiple_of_it() -> None:
+    # The payload is refused from its length, but wasmtime-py has already lifted it out of
+    # the guest by then (see test_exhaustion.py): a bounded, transient cost.
+    size = 24 * 2**20
+    code = RAW_CHANNEL + f"send('echo', '\\x92\\x91\\xdb' + 'x' * {size})\n"
+    report = run_in_child_host(code, memory_bytes="128MiB", host_call_bytes="1MiB")
+    assert report["limit"] == "host_calls" and report["next_ok"]
+    assert report["peak_growth_bytes"] < 8 * size  # type: ignore[operator]
