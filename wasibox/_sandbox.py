@@ -210,7 +210,8 @@ class Sandbox:
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         return run_with_files(job, lambda job: build_result(
-            self._backend.execute(job, control), self._backend.name, REPLY_LIMIT_BYTES))
+            self._backend.execute(job, control), self._backend.name, REPLY_LIMIT_BYTES),
+            control)
 
     def _cancelled_result(self, job: Job) -> RunResult:
         return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,

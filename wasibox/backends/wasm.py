@@ -229,8 +229,8 @@ class _Run:
                 cancel=self.cancel, log=self.log)
         try:
             reply = self.host_calls.handle(name, payload, self.deadline)
-        except StopRun as stop:
-            self.stop(stop.limit)
+        except StopRun as stop:  # a host function's wait is cut short by a cancel too
+            self.stop(Limit.CANCELLED if self.cancelled else stop.limit)
         return cm.Variant("ok" if reply.ok else "err", reply.payload)
 
     # -- stopping -------------------------------------------------------------------------
