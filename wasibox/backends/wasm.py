@@ -696,10 +696,13 @@ class _Compiler:
         self._instance: tuple[wasmtime.Store, Any] | None = None
         self._compiles = 0
         self._lock = threading.Lock()
+        self._closed = False
 
     def compile(self, job: Job) -> bytes | None:
         """The marshalled code object of ``job.code``, or None if it does not compile."""
         with self._lock:
+            if self._closed:
+                return None
             compiled = self._cache.get(job.code)
             if compiled is not None:
                 self._cache.move_to_end(job.code)
@@ -736,8 +739,10 @@ class _Compiler:
         return reply.value
 
     def close(self) -> None:
-        """Drop the compiler instance and the cache; a later compile starts afresh."""
+        """Drop the compiler instance and the cache, for good: a run still finishing after
+        the Sandbox closed compiles its source itself, and no store outlives the Sandbox."""
         with self._lock:
+            self._closed = True
             self._instance = None
             self._cache.clear()
             self._cache_bytes = 0
