@@ -426,3 +426,25 @@ def test_cancel_while_publishing_discards_the_staged_files(
     assert [p.name for p in tmp_path.iterdir()] in ([], [STAGING_DIR])  # nothing published
     staged = [p.name for p in (tmp_path / STAGING_DIR).glob("*") if p.name != "setup.lock"]
     assert staged == []  # and the run's staging is gone
+
+
+def test_cancel_inside_a_blocking_host_function() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_lookup(key: int) -> int:
+        entered.set()
+        release.wait(60)
+        return key
+
+    with Sandbox(PATIENT, functions={"lookup": slow_lookup}, max_concurrency=1) as sb:
+        handle = sb.start("import host\nprint('asking', flush=True)\nhost.lookup(1)")
+        try:
+            assert entered.wait(60)
+            assert handle.state == RunState.RUNNING
+            handle.cancel()
+            result = handle.result()  # returns while the host function still blocks
+        finally:
+            release.set()
+    assert result.limit_exceeded is Limit.CANCELLED
+    assert result.stdout == "asking\n"
+    assert result.duration_s < PATIENT.timeout_s

@@ -92,8 +92,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._control import RunControl, RunState
 from ._errors import UsageError
-from ._limits import parse_size
+from ._limits import Limit, parse_size
 
 if TYPE_CHECKING:
     from ._result import RunResult
@@ -1289,9 +1290,14 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
 
 # -- the run's lifecycle ---------------------------------------------------------------------
 
-def run_with_files(job: Job, execute: Callable[[Job], RunResult]) -> RunResult:
+def run_with_files(job: Job, execute: Callable[[Job], RunResult],
+                   control: RunControl | None = None) -> RunResult:
     """Run ``job`` with a file session for its mounts, then publish (if the result is ok)
     or discard the staging. Without mounts, just runs it.
+
+    With ``control``, a run cancelled before its files are published publishes nothing:
+    its staging is discarded and its result says ``cancelled``. Publishing, once begun, is
+    atomic and completes.
 
     Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
     """
@@ -1307,6 +1313,11 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult]) -> RunResult:
         result = execute(dataclasses.replace(job, files=session))
         if not result.ok:
             return result
+        if control is not None:
+            control.enter(RunState.PUBLISHING)
+            if control.cancelled:
+                return dataclasses.replace(result, ok=False, exit_code=1,
+                                           limit_exceeded=Limit.CANCELLED)
         try:
             records, refused = session.publish()
         except OSError as exc:

@@ -232,7 +232,8 @@ class Sandbox:
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
         return run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES))
+            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
+            control)
 
     def _cancelled_result(self, job: Job) -> RunResult:
         return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,

@@ -229,8 +229,8 @@ class _Run:
                 cancel=self.cancel, log=self.log)
         try:
             reply = self.host_calls.handle(name, payload, self.deadline)
-        except StopRun as stop:
-            self.stop(stop.limit)
+        except StopRun as stop:  # a host function's wait is cut short by a cancel too
+            self.stop(Limit.CANCELLED if self.cancelled else stop.limit)
         return cm.Variant("ok" if reply.ok else "err", reply.payload)
 
     # -- stopping -------------------------------------------------------------------------
@@ -696,10 +696,13 @@ class _Compiler:
         self._instance: tuple[wasmtime.Store, Any] | None = None
         self._compiles = 0
         self._lock = threading.Lock()
+        self._closed = False
 
     def compile(self, job: Job) -> bytes | None:
         """The marshalled code object of ``job.code``, or None if it does not compile."""
         with self._lock:
+            if self._closed:
+                return None
             compiled = self._cache.get(job.code)
             if compiled is not None:
                 self._cache.move_to_end(job.code)
@@ -736,8 +739,10 @@ class _Compiler:
         return reply.value
 
     def close(self) -> None:
-        """Drop the compiler instance and the cache; a later compile starts afresh."""
+        """Drop the compiler instance and the cache, for good: a run still finishing after
+        the Sandbox closed compiles its source itself, and no store outlives the Sandbox."""
         with self._lock:
+            self._closed = True
             self._instance = None
             self._cache.clear()
             self._cache_bytes = 0
