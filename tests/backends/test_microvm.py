@@ -49,8 +49,10 @@ ROWS = [{"region": "north", "qty": 2, "price": 3.0}, {"region": "south", "qty": 
         {"region": "north", "qty": 5, "price": 1.0}]
 
 
-def _vm_processes() -> list[int]:
-    """PIDs of QEMU processes wasibox started (their run directories say so)."""
+def _vm_processes(owner: int | None = None) -> list[int]:
+    """PIDs of QEMU processes the ``owner`` process (this one by default) started: their run
+    directories are named after it, so VMs of other test sessions do not count."""
+    marker = f"wasibox-vm-{owner or os.getpid()}-".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -60,16 +62,16 @@ def _vm_processes() -> list[int]:
                 cmdline = handle.read()
         except OSError:
             continue
-        if b"qemu-system" in cmdline and b"wasibox-vm-" in cmdline:
+        if b"qemu-system" in cmdline and marker in cmdline:
             found.append(int(entry))
     return found
 
 
-def _no_orphans() -> None:
+def _no_orphans(owner: int | None = None) -> None:
     deadline = time.monotonic() + 10
-    while _vm_processes() and time.monotonic() < deadline:
+    while _vm_processes(owner) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _vm_processes() == []
+    assert _vm_processes(owner) == []
 
 
 @pytest.fixture(scope="session")
@@ -271,9 +273,9 @@ def test_no_vm_survives_its_host_process(vm_runtime: MicroVMRuntime) -> None:
         assert child.stdout is not None
         assert child.stdout.readline() == b"running\n"
         deadline = time.monotonic() + 60
-        while not _vm_processes() and time.monotonic() < deadline:
+        while not _vm_processes(child.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _vm_processes(), "the VM never started"
+        assert _vm_processes(child.pid), "the VM never started"
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     finally:
@@ -282,7 +284,7 @@ def test_no_vm_survives_its_host_process(vm_runtime: MicroVMRuntime) -> None:
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
-    _no_orphans()
+    _no_orphans(child.pid)
 
 
 # -- capabilities over the channel: the same host-side policy code as wasm ---------------------
