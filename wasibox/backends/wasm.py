@@ -37,6 +37,7 @@ import random
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,13 +395,28 @@ def _define_host(linker: cm.Linker) -> None:
             wasi_random.add_func("get-random-u64", _host(lambda run, ctx: run.random_u64()))
 
 
-def _c_output(fd: int) -> Any:
+class _OutputSlot:
+    """The run a store's C-level output belongs to. Wasmtime calls the WASI stdout/stderr
+    callbacks on its own worker threads, where the thread-local ``_current`` is unset."""
+
+    __slots__ = ("run", "__weakref__")
+
+    def __init__(self) -> None:
+        self.run: _Run | None = None
+
+
+#: Each store's output slot, set by ``_call_guest`` for the duration of a call.
+_output_slots: weakref.WeakKeyDictionary[wasmtime.Store, _OutputSlot] = (
+    weakref.WeakKeyDictionary())
+
+
+def _c_output(fd: int, slot: _OutputSlot) -> Any:
     """Output written by C code in the guest (not through sys.stdout), into the same sink."""
 
     def sink(data: bytes) -> int:
-        run: _Run | None = getattr(_current, "run", None)
+        run = slot.run
         if run is not None:
-            run.append(fd, data)  # past the cap, the next host call stops the run
+            run.append(fd, data)  # past the cap, the run's limit is already recorded
         return len(data)
 
     return sink
@@ -495,8 +511,9 @@ class WasmRuntime:
         """A fresh store and instance of the guest, and its ``execute`` export."""
         store = wasmtime.Store(self.engine)
         wasi = wasmtime.WasiConfig()
-        wasi.stdout_custom = _c_output(1)
-        wasi.stderr_custom = _c_output(2)
+        slot = _output_slots[store] = _OutputSlot()
+        wasi.stdout_custom = _c_output(1, slot)
+        wasi.stderr_custom = _c_output(2, slot)
         store.set_wasi(wasi)
         store.set_fuel(_INSTANTIATION_FUEL)
         store.set_epoch_deadline(2**62)
@@ -759,11 +776,16 @@ class _Compiler:
 def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state."""
     _current.run = run
+    slot = _output_slots.get(run.store)
+    if slot is not None:
+        slot.run = run
     try:
         reply: str | None = execute(run.store, request)
         return reply
     finally:
         _current.run = None
+        if slot is not None:
+            slot.run = None
 
 
 def _classify(run: _Run, store: wasmtime.Store, exc: Exception) -> int | None:
