@@ -187,7 +187,10 @@ class _Job:
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.work = work
-        self.done = threading.Event()
+        # Held until the work is done: a bare lock is the cheapest hand-off between threads
+        # (an Event allocates a new lock for every wait).
+        self.done = threading.Lock()
+        self.done.acquire()
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -229,7 +232,7 @@ class _Workers:
                 job.value = job.work()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 job.error = exc
-            job.done.set()
+            job.done.release()
             del job
             with self._lock:
                 self._idle += 1
@@ -358,7 +361,7 @@ class HostCalls:
     def _run(self, work: Callable[[], Any], deadline: float, name: str) -> Any:
         """Run ``work`` on a worker thread; stop waiting at the deadline or on cancel."""
         job = _workers.submit(work)
-        while not job.done.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
+        while not job.done.acquire(timeout=min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
             if self._cancel.is_set() or time.monotonic() >= deadline:
                 self.log.append(CapabilityEvent(
                     capability="http" if name == HTTP_FUNCTION else "function",
