@@ -21,11 +21,13 @@ figures moved between runs): reading through the host in 64 KiB chunks ran at 8-
 against 80-380 MB/s for a WASI preopen (0.06-0.36x; ASCII text is the fast end), and a run
 writing and publishing 100 small files spent ~18-25 ms per file, most of it three host calls
 and an fsync. Most runs that use files read a few CSV or JSON files; for those this is
-milliseconds, and it buys the guarantees above. File data crosses as a latin-1 string, as the ``stdio``
-capability's does: wasmtime-py lowers a ``list<u8>`` one element at a time, and base64 made
-the guest spend more fuel decoding than latin-1 costs it to lift; bytes >= 0x80 are what make
-the guest's side slower (they are two bytes in the string's UTF-8). A ``stat`` travels as a
-string too: lowering a record field by field cost about three plain calls.
+milliseconds, and it buys the guarantees above.
+
+File data crosses as a latin-1 string, as the ``stdio`` capability's does: wasmtime-py lowers
+a ``list<u8>`` one element at a time; base64 and hex cost the guest as much fuel to decode as
+latin-1 costs it to lift for random bytes (~60 fuel a byte: bytes >= 0x80 are two bytes of
+UTF-8), and ten times more for ASCII text, which latin-1 passes through unchanged (~6). A
+``stat`` travels as a string too: lowering a record field by field cost about three calls.
 
 **Confinement.** A guest path is made absolute, then ``.`` and ``..`` are resolved lexically
 (``..`` never leaves through a link, because it never meets one), then it is matched to the
@@ -130,8 +132,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY_CHUNK = 1 << 20
 
 # The bits of the `open` flags parameter (capabilities/files/files.wit).
-F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW = (
-    1 << i for i in range(8))
+F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
+    1 << i for i in range(9))
 
 _ERRNO_NAMES = {
     errno.ENOENT: "noent", errno.EEXIST: "exist", errno.ENOTDIR: "notdir",
@@ -887,13 +889,13 @@ class FileSession:
         writing = bool(flags & (F_WRITE | F_CREATE | F_TRUNC | F_APPEND))
         mounted, rel, wants_dir = (self._locate_for_change if writing else self._locate)(path)
         if mounted is None:
-            raise FilesError("isdir" if writing else "acces")
+            raise FilesError("isdir" if writing or flags & F_NOTDIR else "acces")
         if writing and not mounted.writable:
             raise FilesError("rofs")
         readable = bool(flags & F_READ) or not flags & F_WRITE
         writable = bool(flags & F_WRITE)
         if not rel:
-            if writable:
+            if writable or flags & F_NOTDIR:
                 raise FilesError("isdir")
             fd = os.dup(mounted.root_fd)
             return self._add(_Handle(fd, mounted, True, False, False, True))
@@ -925,7 +927,7 @@ class FileSession:
                     raise FilesError("loop")
                 if not (stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode)):
                     raise FilesError("nxio")
-                if stat.S_ISDIR(existing.st_mode) and (writable or flags & F_TRUNC):
+                if stat.S_ISDIR(existing.st_mode) and (writable or flags & (F_TRUNC | F_NOTDIR)):
                     raise FilesError("isdir")
                 if (mounted.writable and (writable or flags & F_TRUNC)
                         and existing.st_nlink > 1):

@@ -28,8 +28,8 @@ from wit_world.imports import files as _files
 __all__ = ["install", "finish"]
 
 # The bits of the `open` flags parameter (capabilities/files/files.wit).
-_F_READ, _F_WRITE, _F_CREATE, _F_EXCL, _F_TRUNC, _F_APPEND, _F_DIRECTORY, _F_NOFOLLOW = (
-    1 << i for i in range(8))
+_F_READ, _F_WRITE, _F_CREATE, _F_EXCL, _F_TRUNC, _F_APPEND, _F_DIRECTORY, _F_NOFOLLOW, _F_NOTDIR = (
+    1 << i for i in range(9))
 _BUFFER_SIZE = 1 << 16  # bigger than io's default: each refill is a host call
 _READ_ALL_CHUNK = 1 << 20
 
@@ -90,7 +90,7 @@ def _no_dir_fd(dir_fd, name):
 
 def _fields(text):
     """The nine integers of a stat string: kind mode size ino dev nlink atime mtime ctime."""
-    return [int(field) for field in text.split(" ")]
+    return list(map(int, text.split(" ")))
 
 
 def _stat_result(fields):
@@ -102,9 +102,9 @@ def _stat_result(fields):
 
 # -- os: descriptors --------------------------------------------------------------------------
 
-def _os_open(path, flags, mode=0o777, *, dir_fd=None):
+def _os_open(path, flags, mode=0o777, *, dir_fd=None, _extra=0):
     _no_dir_fd(dir_fd, "open")
-    bits = 0
+    bits = _extra
     if flags & os.O_RDONLY or not flags & os.O_WRONLY:
         bits |= _F_READ
     if flags & os.O_WRONLY:
@@ -525,10 +525,10 @@ def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None
             if not isinstance(fd, int) or fd not in _fds:
                 return _real_open(fd, mode, buffering, encoding, errors, newline, closefd)
         else:
-            fd = _os_open(file, flags, 0o666)
+            fd = _os_open(file, flags, 0o666, _extra=_F_NOTDIR)  # the host refuses a directory
     raw = FileIO(fd, name, raw_mode, closefd)
     try:
-        if _stat.S_ISDIR(_fstat(fd).st_mode):
+        if (isinstance(file, int) or opener is not None) and _stat.S_ISDIR(_fstat(fd).st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
         if appending:
             raw.seek(0, 2)

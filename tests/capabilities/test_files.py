@@ -789,3 +789,28 @@ def test_command_line_mounts(tree: dict[str, Path]) -> None:
     assert (tree["out"] / "n.txt").read_text() == "A,B\n1,2\n3,4\n"
     bad = wasibox_cli("run", "--mount", "nowhere", "-c", "pass")
     assert bad.returncode == 2 and "--mount takes" in bad.stderr
+
+
+def test_opening_directories(tree: dict[str, Path], fds: int) -> None:
+    with sandbox(tree) as sb:
+        value = call(sb, """
+            import os, stat
+            def main():
+                out = []
+                for path in ("/data/sub", "/data", "/", "/out"):
+                    try:
+                        open(path)
+                        out.append("opened")
+                    except IsADirectoryError:
+                        out.append("EISDIR")
+                fd = os.open("/data/sub", os.O_RDONLY)
+                out.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+                try:
+                    os.read(fd, 10)
+                except OSError as exc:
+                    out.append(errorcode[exc.errno])
+                os.close(fd)
+                return out
+        """)
+        assert value == ["EISDIR"] * 4 + [True, "EISDIR"]
+        assert_healthy(sb, tree, fds)
