@@ -310,6 +310,25 @@ def _load_host_module():
 _load_host_module()
 
 
+def _data_limit(headroom=24 * 2**20):
+    """A cap on the job's data segment: what it has now plus what the VM can still give.
+
+    Past it the job gets MemoryError (reported as the memory limit), instead of driving the
+    kernel into reclaim: with no swap and a read-only root, a VM near its end evicts the
+    pages of the programs it runs and thrashes for minutes before the OOM killer acts.
+    """
+    try:
+        with open("/proc/meminfo") as handle:
+            available = next(int(line.split()[1]) * 1024 for line in handle
+                             if line.startswith("MemAvailable:"))
+        with open("/proc/self/status") as handle:
+            used = next(int(line.split()[1]) * 1024 for line in handle
+                        if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(used + available - headroom, used + headroom)
+
+
 def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, _exit=os._exit):
     """In the forked child: drop privileges, run the job, write the reply, exit.
 
@@ -323,6 +342,9 @@ def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, _exit=os._exit):
         resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        data = _data_limit()
+        if data is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (data, data))
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
