@@ -194,6 +194,26 @@ def test_fork_bomb_is_contained(vm_runtime: MicroVMRuntime) -> None:
     _no_orphans()
 
 
+def test_console_flood_is_refused_or_bounded(vm: wasibox.Sandbox) -> None:
+    # The job cannot reach the kernel console (it runs unprivileged); whatever reaches QEMU's
+    # console is kept in a bounded ring on the host, and the next run is unaffected.
+    code = textwrap.dedent("""
+        for path in ("/dev/console", "/dev/kmsg", "/dev/ttyS0", "/dev/tty0", "/dev/hvc0"):
+            try:
+                with open(path, "wb", buffering=0) as device:
+                    for _ in range(200):
+                        device.write(b"x" * 50_000)
+                print(path, "written")
+            except OSError as exc:
+                print(path, "refused", type(exc).__name__)
+    """)
+    result = vm.run(code)
+    assert result.ok, result
+    assert "written" not in result.stdout, result.stdout
+    assert vm.run("print('next')").stdout == "next\n"
+    _no_orphans()
+
+
 def test_no_network_inside_the_vm(vm: wasibox.Sandbox) -> None:
     code = textwrap.dedent("""
         import os, socket
