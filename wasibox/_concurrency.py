@@ -21,7 +21,6 @@ one is stopped by its backend. Either way the run's result says ``Limit.CANCELLE
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import threading
@@ -78,6 +77,8 @@ class RunHandle:
         return self._wait().__await__()
 
     async def _wait(self) -> RunResult:
+        import asyncio  # here, not at the top: importing asyncio costs most of a cold start
+
         waiting = asyncio.wrap_future(self._future)
         try:
             # Shielded so that cancelling the awaiting task does not cancel the future itself:

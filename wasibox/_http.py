@@ -35,13 +35,15 @@ import ipaddress
 import math
 import re
 import socket
-import ssl
 import threading
 import time
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ssl
 
 from ._errors import UsageError
 from ._events import CapabilityEvent
@@ -121,6 +123,12 @@ _CHUNK = 64 * 1024
 
 
 _default_tls: ssl.SSLContext | None = None
+
+
+def _is_ssl_context(value: object) -> bool:
+    import ssl  # here, not at the top: most runs never use HTTPS, and ssl is slow to import
+
+    return isinstance(value, ssl.SSLContext)
 _default_tls_lock = threading.Lock()
 
 
@@ -208,7 +216,7 @@ class HttpPolicy:
                 raise UsageError(f"HttpPolicy.{name} must be a non-negative int, not {value!r}")
         if self.resolver is not None and not callable(self.resolver):
             raise UsageError("HttpPolicy.resolver must be a callable from a name to addresses")
-        if self.ssl_context is not None and not isinstance(self.ssl_context, ssl.SSLContext):
+        if self.ssl_context is not None and not _is_ssl_context(self.ssl_context):
             raise UsageError("HttpPolicy.ssl_context must be an ssl.SSLContext")
         if isinstance(self.allow_loopback, str):
             raise UsageError("HttpPolicy.allow_loopback must be a list of names")
