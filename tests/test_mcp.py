@@ -19,8 +19,9 @@ pytest.importorskip("mcp", reason="the mcp package (the 'mcp' extra) is not inst
 from mcp import Client, StdioServerParameters  # noqa: E402
 
 from tests.conftest import PYTHON, child_env  # noqa: E402
+from wasibox._config import parse_config  # noqa: E402
 from wasibox._errors import UsageError  # noqa: E402
-from wasibox._mcp import WorkspaceStore, _confine  # noqa: E402
+from wasibox._mcp import McpPolicy, WorkspaceStore, _confine, create_mcp_server  # noqa: E402
 
 pytestmark = pytest.mark.guest
 
@@ -128,16 +129,31 @@ async def core_cases(client: Client) -> None:
     assert "still here" in text(result)
 
 
-def test_stdio(config: Path) -> None:
+def server_env(tmp: Path) -> dict[str, str]:
+    """The child's environment, with its temporary files (so its workspaces) under ``tmp``."""
+    tmp.mkdir()
+    return {**child_env(), "TMPDIR": str(tmp)}
+
+
+def workspaces(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("wasibox-mcp-*/session-*"))
+
+
+def test_stdio(config: Path, tmp_path: Path) -> None:
     params = StdioServerParameters(
         command=PYTHON, args=["-m", "wasibox", "mcp", "--config", str(config)],
-        env=child_env())
+        env=server_env(tmp_path / "tmp"))
 
     async def main() -> None:
         async with Client(params, read_timeout_seconds=60) as client:
             await core_cases(client)
+            assert len(workspaces(tmp_path / "tmp")) == 1
 
     asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while list((tmp_path / "tmp").glob("wasibox-mcp-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list((tmp_path / "tmp").glob("wasibox-mcp-*")), "the workspace outlived the session"
 
 
 def free_port() -> int:
@@ -147,11 +163,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def http_server(config: Path) -> Iterator[str]:
+def http_server(config: Path, tmp: Path) -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(
         [PYTHON, "-m", "wasibox", "mcp", "--config", str(config), "--transport", "http",
-         "--port", str(port)], env=child_env(), stdout=subprocess.DEVNULL,
+         "--port", str(port)], env=server_env(tmp), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -179,16 +195,18 @@ async def http_client(url: str) -> AsyncIterator[Client]:
         yield client
 
 
-def test_streamable_http(config: Path) -> None:
+def test_streamable_http(config: Path, tmp_path: Path) -> None:
     async def main(url: str) -> None:
         async with http_client(url) as client:
             await core_cases(client)
 
-    with http_server(config) as url:
+    with http_server(config, tmp_path / "tmp") as url:
         asyncio.run(main(url))
+    # Stopping the server (SIGTERM) deletes every workspace it made.
+    assert not list((tmp_path / "tmp").glob("wasibox-mcp-*"))
 
 
-def test_http_sessions_have_separate_workspaces(config: Path) -> None:
+def test_http_sessions_have_separate_workspaces(config: Path, tmp_path: Path) -> None:
     async def session(url: str, name: str) -> tuple[str, str]:
         async with http_client(url) as client:
             code = f"open('/workspace/{name}.txt', 'w').write('{name}')"
@@ -203,12 +221,17 @@ def test_http_sessions_have_separate_workspaces(config: Path) -> None:
         assert (a, b) == ("alpha", "beta")
         assert "alpha.txt" in one and "beta.txt" not in one
         assert "beta.txt" in two and "alpha.txt" not in two
+        # Each client closed its session on exit (DELETE), which deleted its workspace.
+        deadline = time.monotonic() + 10
+        while workspaces(tmp_path / "tmp") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert workspaces(tmp_path / "tmp") == []
 
-    with http_server(config) as url:
+    with http_server(config, tmp_path / "tmp") as url:
         asyncio.run(main(url))
 
 
-def test_stateless_http_run_gets_a_throwaway_workspace(config: Path) -> None:
+def test_stateless_http_run_gets_a_throwaway_workspace(config: Path, tmp_path: Path) -> None:
     async def main(url: str) -> None:
         async with Client(url, read_timeout_seconds=60) as client:  # the 2026 stateless mode
             result = await client.call_tool("run_python", {"code": "print(6 * 7)"})
@@ -216,7 +239,7 @@ def test_stateless_http_run_gets_a_throwaway_workspace(config: Path) -> None:
             result = await client.call_tool("list_files", {})
             assert result.is_error and "need an MCP session" in text(result)
 
-    with http_server(config) as url:
+    with http_server(config, tmp_path / "tmp") as url:
         asyncio.run(main(url))
 
 
@@ -247,3 +270,28 @@ def test_workspaces_are_deleted_when_idle_or_closed() -> None:
     assert not second.exists()
     store.close()
     assert not store.root.exists()
+
+
+def test_long_runs_report_progress() -> None:
+    # In-process client: the transport is not what this checks, and it saves a process.
+    config = parse_config({"tenants": {"agent": {
+        "token_sha256": "0" * 64, "limits": {"fuel": 10**13, "timeout_s": 1.6}}}})
+    store = WorkspaceStore()
+    server = create_mcp_server(McpPolicy.from_config(config), store, transport="stdio")
+    seen: list[tuple[float, float | None, str | None]] = []
+
+    async def progress(done: float, total: float | None, message: str | None) -> None:
+        seen.append((done, total, message))
+
+    async def main() -> str:
+        async with Client(server) as client:
+            result = await client.call_tool("run_python", {"code": "while True: pass"},
+                                            progress_callback=progress)
+            return text(result)
+
+    try:
+        report = asyncio.run(main())
+    finally:
+        store.close()
+    assert "the run hit its wall-clock time limit of 1.6 s" in report
+    assert seen and seen[0][1] == 1.6 and "running for" in (seen[0][2] or "")

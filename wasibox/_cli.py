@@ -131,12 +131,12 @@ def _parser() -> argparse.ArgumentParser:
 
     mcp = commands.add_parser(
         "mcp", help="serve run_python and workspace file tools to AI agents over MCP",
-        description="Serve the Model Context Protocol tools run_python, write_file, read_file "
-                    "and list_files under the policy of one tenant of a 'wasibox serve' "
-                    "config file (limits, mounts, HTTP allowlist, host functions); tool "
-                    "arguments cannot change it. Each MCP session gets its own workspace at "
-                    "/workspace, deleted when the session ends or sits idle; every run_python "
-                    "is a fresh interpreter. Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
+        description="Serve the Model Context Protocol tools run_python, write_file, read_file\n"
+                    "and list_files under the policy of one tenant of a 'wasibox serve' config\n"
+                    "file (limits, mounts, HTTP allowlist, host functions); tool arguments\n"
+                    "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
+                    "deleted when the session ends or sits idle; every run_python is a fresh\n"
+                    "interpreter. Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
         epilog="examples:\n  wasibox mcp --config wasibox.toml                  # stdio\n"
                "  wasibox mcp --config wasibox.toml --transport http --port 8765\n"
                "The HTTP transport has no authentication: keep it on a loopback address.",
