@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import threading
@@ -420,12 +421,20 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
     return server
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def serve_mcp(config_path: str, *, tenant: str | None = None,
               transport: Literal["stdio", "http"] = "stdio", host: str = "127.0.0.1",
               port: int = 8765, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
     """Run ``wasibox mcp`` until stopped. Raises ConfigError for a bad config."""
     policy = McpPolicy.from_config(load_config(config_path), tenant)
     store = WorkspaceStore(idle_timeout_s)
+    if threading.current_thread() is threading.main_thread():
+        # Turn SIGTERM into an orderly exit, so the workspaces are deleted (uvicorn hands a
+        # SIGTERM it caught back to this handler once it has shut down).
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server = create_mcp_server(policy, store, transport=transport)
         if transport == "stdio":
