@@ -129,6 +129,34 @@ def _parser() -> argparse.ArgumentParser:
                        help="level of the per-run log lines (default: %(default)s)")
     serve.set_defaults(handler=_cmd_serve)
 
+    mcp = commands.add_parser(
+        "mcp", help="serve run_python and workspace file tools to AI agents over MCP",
+        description="Serve the Model Context Protocol tools run_python, write_file, read_file\n"
+                    "and list_files under the policy of one tenant of a 'wasibox serve' config\n"
+                    "file (limits, mounts, HTTP allowlist, host functions); tool arguments\n"
+                    "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
+                    "deleted when the session ends or sits idle; every run_python is a fresh\n"
+                    "interpreter. Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
+        epilog="examples:\n  wasibox mcp --config wasibox.toml                  # stdio\n"
+               "  wasibox mcp --config wasibox.toml --transport http --port 8765\n"
+               "The HTTP transport has no authentication: keep it on a loopback address.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    mcp.add_argument("--config", required=True, metavar="FILE",
+                     help="the TOML configuration, the same format as 'wasibox serve'")
+    mcp.add_argument("--tenant", metavar="NAME",
+                     help="whose policy to apply (default: the file's only tenant)")
+    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio",
+                     help="stdio for a client that starts the server, or streamable HTTP "
+                          "(default: %(default)s)")
+    mcp.add_argument("--host", default="127.0.0.1",
+                     help="HTTP address to listen on (default: %(default)s)")
+    mcp.add_argument("--port", type=int, default=8765,
+                     help="HTTP port to listen on (default: %(default)s)")
+    mcp.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
+                     help="delete a session's workspace after this long unused "
+                          "(default: %(default)s)")
+    mcp.set_defaults(handler=_cmd_mcp)
+
     doctor = commands.add_parser(
         "doctor", help="report versions, the guest's state and what this machine supports",
         description="Report the Python, wasmtime and componentize-py versions, the guest "
@@ -236,6 +264,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(args.config, args.host, args.port, log_level=args.log_level)
+    except OSError as exc:
+        print(f"wasibox: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
+
+
+def _cmd_mcp(args: argparse.Namespace) -> int:
+    try:
+        import mcp.server.mcpserver  # noqa: F401 - the optional extra
+    except ImportError as exc:
+        print(f"wasibox: error: 'wasibox mcp' needs the mcp package ({exc}); "
+              "install it with: pip install 'wasibox[mcp]'", file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
+    from ._mcp import serve_mcp
+
+    try:
+        return serve_mcp(args.config, tenant=args.tenant, transport=args.transport,
+                         host=args.host, port=args.port, idle_timeout_s=args.idle_timeout)
     except OSError as exc:
         print(f"wasibox: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
               file=sys.stderr)
