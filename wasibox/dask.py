@@ -85,7 +85,7 @@ class _Runtime:
         function = getattr(importlib.import_module(module), name, None)
         if not callable(function):
             raise FunctionRefused(f"host function {path!r} is not a callable")
-        return function  # type: ignore[no-any-return]
+        return function
 
     def close(self) -> None:
         with self._lock:
@@ -202,7 +202,7 @@ def _finish(items: list[Any], policy: OnError, first: Failed | None) -> list[Any
 
 
 def _rows(frame: Any) -> list[dict[str, Any]]:
-    return frame.to_dict("records")  # type: ignore[no-any-return]
+    return frame.to_dict("records")
 
 
 def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None) -> Any:
@@ -289,7 +289,7 @@ def fingerprint(transform: Transform, collection: Any, *,
     """``transform.fingerprint(records)`` for the records of a Bag or DataFrame, computed on
     the cluster (outputs are hashed here, in order). Equal to the local fingerprint."""
     ran, _, _, _ = _transform_parts(transform, collection, "collect", functions)
-    parts = dask.compute(*ran, **compute_options)
+    parts = dask.compute(*ran, **compute_options)  # type: ignore[attr-defined]
     digest = hashlib.sha256()
     index = 0
     for part in parts:
