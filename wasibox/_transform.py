@@ -257,13 +257,23 @@ class Transform:
         digest = hashlib.sha256()
         for index, item in enumerate(self.imap(records, batch_size=batch_size,
                                                on_error="collect", progress=False)):
-            if isinstance(item, Failed):
-                described = item.to_dict()
-                digest.update(_canonical([index, "failed", described["type"],
-                                          described["message"]]))
-            else:
-                digest.update(_canonical([index, "ok", item]))
+            digest.update(self._fingerprint_entry(index, item))
         return "sha256:" + digest.hexdigest()
+
+    @staticmethod
+    def _fingerprint_entry(index: int, item: Any) -> bytes:
+        """What ``fingerprint`` hashes for the item at ``index`` (shared with wasibox.dask)."""
+        if isinstance(item, Failed):
+            described = item.to_dict()
+            return _canonical([index, "failed", described["type"], described["message"]])
+        return _canonical([index, "ok", item])
+
+    def to_dask(self, collection: Any, **options: Any) -> Any:
+        """``wasibox.dask.map_partitions(self, collection, **options)``: this transform over
+        a dask Bag or DataFrame, lazily (needs the ``wasibox[dask]`` extra)."""
+        from .dask import map_partitions
+
+        return map_partitions(self, collection, **options)
 
     def close(self) -> None:
         """Release the sandbox; idempotent."""

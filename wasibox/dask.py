@@ -1,0 +1,299 @@
+"""Run a ``wasibox.Transform`` over ``dask.bag`` and ``dask.dataframe`` collections.
+
+Needs the ``dask`` extra (``pip install 'wasibox[dask]'``). The transform travels to the
+workers as data (its ``TransformSpec``: source, limits, seed, policy); host functions travel
+as import paths (``"package.module:function"``) and a worker runs only those its own
+``WasiboxPlugin(allow_functions=...)`` allows. Each worker keeps one warm runtime (engine,
+compiled guest, sandboxes), set up once by the plugin, which also refuses to start when the
+worker's guest digest differs from the client's.
+
+Results equal a local ``Transform.map`` over the same records: every partition runs with
+``start=`` its global offset, so failures carry global indexes, and under ``on_error="raise"``
+the error raised is the one with the lowest index, whatever the partitioning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import dask
+import dask.bag as db
+from dask.delayed import Delayed, delayed
+from distributed import Client, WorkerPlugin
+
+from ._errors import GuestBuildError, UsageError
+from ._guest import guest_digest
+from ._transform import Failed, OnError, Transform, TransformSpec, _canonical, _check_on_error
+
+__all__ = [
+    "FunctionRefused",
+    "GuestMismatch",
+    "WasiboxPlugin",
+    "fingerprint",
+    "map_partitions",
+    "register",
+]
+
+#: Environment variable a worker reads for extra host functions it allows (comma-separated
+#: import paths), in addition to its plugin's ``allow_functions``.
+ALLOW_ENV = "WASIBOX_DASK_ALLOW_FUNCTIONS"
+
+
+class GuestMismatch(GuestBuildError):
+    """A worker's guest digest differs from the one the client expects; the worker refuses
+    to run transforms, because its results could differ."""
+
+
+class FunctionRefused(UsageError):
+    """A transform asked a worker for a host function its configuration does not allow."""
+
+
+# -- the per-worker runtime ---------------------------------------------------------------------
+
+
+class _Runtime:
+    """One process's warm wasibox: the checked guest and one Transform per spec."""
+
+    def __init__(self, digest: str, allow_functions: Iterable[str]) -> None:
+        self.digest = digest
+        self.allowed = frozenset(allow_functions)
+        self._lock = threading.Lock()
+        self._transforms: dict[str, Transform] = {}
+
+    def transform(self, spec: dict[str, Any], functions: Mapping[str, str]) -> Transform:
+        key = hashlib.sha256(_canonical([spec, sorted(functions.items())])).hexdigest()
+        with self._lock:
+            found = self._transforms.get(key)
+            if found is None:
+                resolved = {name: self._resolve(path) for name, path in functions.items()}
+                options: dict[str, Any] = {"functions": resolved} if resolved else {}
+                found = Transform.from_spec(TransformSpec.from_dict(spec), **options)
+                self._transforms[key] = found
+            return found
+
+    def _resolve(self, path: str) -> Callable[..., Any]:
+        if path not in self.allowed:
+            raise FunctionRefused(
+                f"this worker does not allow host function {path!r}; allow it with "
+                f"WasiboxPlugin(allow_functions=[...]) or {ALLOW_ENV} on the worker")
+        module, _, name = path.partition(":")
+        function = getattr(importlib.import_module(module), name, None)
+        if not callable(function):
+            raise FunctionRefused(f"host function {path!r} is not a callable")
+        return function
+
+    def close(self) -> None:
+        with self._lock:
+            for transform in self._transforms.values():
+                transform.close()
+            self._transforms.clear()
+
+
+_RUNTIME: _Runtime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def _environment_allows() -> list[str]:
+    return [path.strip() for path in os.environ.get(ALLOW_ENV, "").split(",") if path.strip()]
+
+
+def _runtime() -> _Runtime:
+    """This process's runtime: the plugin's, or (no plugin: a local scheduler) a default one
+    that allows only the host functions named in the environment."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = _Runtime(guest_digest(), _environment_allows())
+        return _RUNTIME
+
+
+class WasiboxPlugin(WorkerPlugin):
+    """Sets up one warm wasibox runtime per worker, once, when the worker starts.
+
+    ``guest_digest`` is the digest every worker must run (the client's, by default with
+    ``register``); a worker whose guest differs raises ``GuestMismatch`` and starts no
+    transform. ``allow_functions`` lists the host functions (``"module:function"``) this
+    worker may import for transforms; any other is refused with ``FunctionRefused``.
+    """
+
+    name = "wasibox"
+
+    def __init__(self, *, guest_digest: str | None = None,
+                 allow_functions: Iterable[str] = ()) -> None:
+        self.guest_digest = guest_digest
+        self.allow_functions = sorted(allow_functions)
+
+    def setup(self, worker: Any) -> None:
+        global _RUNTIME
+        digest = guest_digest()  # builds or loads the guest: once per worker
+        if self.guest_digest is not None and digest != self.guest_digest:
+            raise GuestMismatch(
+                f"worker {getattr(worker, 'address', '?')} runs guest {digest}, but the "
+                f"client expects {self.guest_digest}: install the same wasibox version "
+                f"(and dependencies) on every worker")
+        runtime = _Runtime(digest, [*self.allow_functions, *_environment_allows()])
+        # Warm the engine and the compiled guest, so no task pays for them.
+        with Transform("def transform(r):\n    return r\n") as warm:
+            warm.map([0], progress=False)
+        with _RUNTIME_LOCK:
+            previous, _RUNTIME = _RUNTIME, runtime
+        if previous is not None:
+            previous.close()
+
+    def teardown(self, worker: Any) -> None:
+        global _RUNTIME
+        with _RUNTIME_LOCK:
+            previous, _RUNTIME = _RUNTIME, None
+        if previous is not None:
+            previous.close()
+
+
+def register(client: Client, *, allow_functions: Iterable[str] = ()) -> None:
+    """Register ``WasiboxPlugin`` on every worker of ``client`` (present and future), checking
+    each worker's guest digest against this process's. Raises ``GuestMismatch`` (or
+    ``FunctionRefused``-free setup errors) as the failing worker reports them."""
+    plugin = WasiboxPlugin(guest_digest=guest_digest(), allow_functions=allow_functions)
+    replies = client.register_plugin(plugin)
+    for reply in (replies or {}).values():
+        if isinstance(reply, dict) and reply.get("status") == "error":
+            raise reply["exception"]
+
+
+# -- running partitions -------------------------------------------------------------------------
+
+
+def _run_partition(spec: dict[str, Any], functions: dict[str, str], records: Sequence[Any],
+                   start: int) -> list[Any]:
+    """Outputs (Failed in place of failures) for one partition whose first record is
+    ``start``; runs on a worker."""
+    transform = _runtime().transform(spec, functions)
+    return transform.map(list(records), on_error="collect", start=start, progress=False)
+
+
+def _offsets(*lengths: int) -> list[int]:
+    starts, total = [], 0
+    for length in lengths:
+        starts.append(total)
+        total += length
+    return starts
+
+
+def _first_failure(part: list[Any]) -> Failed | None:
+    return next((item for item in part if isinstance(item, Failed)), None)
+
+
+def _earliest(*firsts: Failed | None) -> Failed | None:
+    return next((first for first in firsts if first is not None), None)
+
+
+def _finish(items: list[Any], policy: OnError, first: Failed | None) -> list[Any]:
+    if policy == "raise":
+        if first is not None:
+            raise first.error
+        return items
+    if policy == "skip":
+        return [item for item in items if not isinstance(item, Failed)]
+    return items
+
+
+def _rows(frame: Any) -> list[dict[str, Any]]:
+    return frame.to_dict("records")
+
+
+def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None) -> Any:
+    """A pandas DataFrame of one partition's output rows, indexed by global record index."""
+    import pandas
+
+    if policy == "raise" and first is not None:
+        raise first.error
+    rows, labels = [], []
+    for offset, item in enumerate(items):
+        if isinstance(item, Failed):
+            if policy == "skip":
+                continue
+            rows.append({"failed": item})
+        elif isinstance(item, Mapping):
+            rows.append(dict(item))
+        else:
+            raise UsageError(f"a DataFrame transform must return dicts (rows), not "
+                             f"{type(item).__name__}")
+        labels.append(start + offset)
+    return pandas.DataFrame.from_records(rows, index=labels)
+
+
+def _transform_parts(transform: Transform, collection: Any, on_error: OnError | None,
+                     functions: Mapping[str, str] | None) -> tuple[list[Delayed], list[Delayed],
+                                                                   OnError, bool]:
+    policy = transform.spec.on_error if on_error is None else on_error
+    _check_on_error(policy)
+    names = dict(functions or {})
+    for name, path in names.items():
+        if not isinstance(path, str) or ":" not in path:
+            raise UsageError(f"host function {name!r} must be an import path such as "
+                             f"'package.module:function', not {path!r}")
+    frame = _is_dataframe(collection)
+    if frame:
+        parts = [delayed(_rows)(part) for part in collection.to_delayed()]
+    elif isinstance(collection, db.Bag):
+        parts = list(collection.to_delayed())
+    else:
+        raise UsageError(f"expected a dask.bag.Bag or a dask.dataframe.DataFrame, not "
+                         f"{type(collection).__name__}")
+    lengths = [delayed(len)(part) for part in parts]
+    starts = delayed(_offsets, nout=len(parts))(*lengths)
+    spec = transform.spec.to_dict()
+    ran = [delayed(_run_partition, pure=True)(spec, names, part, starts[i])
+           for i, part in enumerate(parts)]
+    return ran, [starts[i] for i in range(len(parts))], policy, frame
+
+
+def _is_dataframe(collection: Any) -> bool:
+    try:
+        import dask.dataframe as dd
+    except ImportError:  # pandas missing: no DataFrames to be given
+        return False
+    return isinstance(collection, dd.DataFrame)
+
+
+def map_partitions(transform: Transform, collection: Any, *, on_error: OnError | None = None,
+                   functions: Mapping[str, str] | None = None, meta: Any = None) -> Any:
+    """Apply ``transform`` to every record of a dask Bag or DataFrame, lazily.
+
+    A Bag gives a Bag of outputs; a DataFrame gives its rows to the transform as dicts and
+    returns a DataFrame of the output rows (dicts), indexed by global record index (a failed
+    row, under ``"collect"``, has a ``failed`` column holding its ``wasibox.Failed``).
+    ``functions`` maps guest-visible names to import paths (``"module:function"``) that
+    every worker must allow. Failures carry global indexes; under ``"raise"`` computing
+    raises the failure with the lowest index. Raises UsageError for bad arguments.
+    """
+    ran, starts, policy, frame = _transform_parts(transform, collection, on_error, functions)
+    first = (delayed(_earliest)(*[delayed(_first_failure)(part) for part in ran])
+             if policy == "raise" else None)
+    if frame:
+        import dask.dataframe as dd
+
+        frames = [delayed(_frame)(part, start, policy, first)
+                  for part, start in zip(ran, starts, strict=True)]
+        return dd.from_delayed(frames, meta=meta) if meta is not None else dd.from_delayed(
+            frames)
+    return db.from_delayed([delayed(_finish)(part, policy, first) for part in ran])
+
+
+def fingerprint(transform: Transform, collection: Any, *,
+                functions: Mapping[str, str] | None = None, **compute_options: Any) -> str:
+    """``transform.fingerprint(records)`` for the records of a Bag or DataFrame, computed on
+    the cluster (outputs are hashed here, in order). Equal to the local fingerprint."""
+    ran, _, _, _ = _transform_parts(transform, collection, "collect", functions)
+    parts = dask.compute(*ran, **compute_options)  # type: ignore[attr-defined]
+    digest = hashlib.sha256()
+    index = 0
+    for part in parts:
+        for item in part:
+            digest.update(Transform._fingerprint_entry(index, item))
+            index += 1
+    return "sha256:" + digest.hexdigest()
