@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import textwrap
@@ -194,7 +195,13 @@ def test_profiles():
 
 def test_pytest_plugin_fixture_and_profiles(tmp_path: Path) -> None:
     (tmp_path / "test_uses_plugin.py").write_text(PLUGIN_TEST)
-    result = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "wasibox.pytest_plugin",
+    # Installed, wasibox registers the plugin through its pytest11 entry point; naming it
+    # again with -p would register it twice. From a source tree that is not installed
+    # (only on PYTHONPATH), the entry point is absent and -p loads it.
+    installed = any(entry.name == "wasibox"
+                    for entry in importlib.metadata.entry_points(group="pytest11"))
+    load = [] if installed else ["-p", "wasibox.pytest_plugin"]
+    result = subprocess.run([PYTHON, "-m", "pytest", "-q", *load,
                              "-p", "no:cacheprovider", str(tmp_path)],
                             capture_output=True, text=True, env=child_env(), timeout=300,
                             cwd=tmp_path)
