@@ -9,8 +9,6 @@ not flat scalars pay for a Python-level depth walk.
 from __future__ import annotations
 
 import array
-import base64
-import binascii
 import dataclasses
 import functools
 import itertools
@@ -20,9 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
-from ._wire import MAX_DEPTH, ProtocolError, check_depth, check_json_depth
+from ._wire import MAX_DEPTH, ProtocolError, check_depth, check_json_depth, decode_packed
 
 __all__ = ["BatchReply", "decode_batch_reply", "encode_records"]
 
@@ -118,13 +114,7 @@ def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str)
         if not (isinstance(key, str) and key.isdigit() and int(key) < count
                 and isinstance(encoded, str)):
             raise ProtocolError("the guest's batch reply has a malformed packed value")
-        try:
-            value = msgpack.unpackb(base64.b64decode(encoded, validate=True), raw=False,
-                                    strict_map_key=False)
-        except (binascii.Error, ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise ProtocolError(f"a packed value is not valid msgpack: {exc}") from None
-        check_depth(value)
-        values[int(key)] = value
+        values[int(key)] = decode_packed(encoded, "a packed value")
     return values
 
 

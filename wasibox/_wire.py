@@ -74,7 +74,8 @@ from typing import Any
 import msgpack
 
 __all__ = ["MAX_DEPTH", "MARSHAL_VERSION", "ProtocolError", "Reply", "as_msgpack_values",
-           "check_depth", "check_json_depth", "decode_reply", "encode_request"]
+           "check_depth", "check_json_depth", "decode_packed", "decode_reply",
+           "encode_request"]
 
 #: Deepest nesting accepted in a value that crosses the boundary. msgpack's own decoder
 #: accepts 1024, deep enough to exhaust the host's recursion limit in code that walks it.
@@ -163,11 +164,16 @@ def _decode_value(encoded: Any) -> Any:
         return None
     if type(encoded) is not str:
         raise ProtocolError("the guest's reply has a malformed value")
+    return decode_packed(encoded, "the guest's return value")
+
+
+def decode_packed(encoded: str, what: str) -> Any:
+    """One base64-msgpack value from the guest, depth-checked; ProtocolError names ``what``."""
     try:
         value = msgpack.unpackb(base64.b64decode(encoded, validate=True), raw=False,
                                 strict_map_key=False)
     except (binascii.Error, ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"the guest's return value is not valid msgpack: {exc}") from None
+        raise ProtocolError(f"{what} is not valid msgpack: {exc}") from None
     check_depth(value)
     return value
 
