@@ -72,6 +72,33 @@ def test_values_keep_their_types() -> None:
     assert out[8] is None
 
 
+def test_batches_of_same_key_dicts_keep_exact_types_and_key_order() -> None:
+    """Same-key dicts travel keyed into the guest and as columns out of it: every column
+    kind (int32, int64, bigger ints, floats, bools, None, str, mixed) keeps its types."""
+    identity = "def transform(r):\n    return r\n"
+    seen = ("def transform(r):\n"
+            "    return [list(r), [type(v).__name__ for v in r.values()]]\n")
+    records = [{"z": i, "int64": 2**40 + i, "huge": 2**70 * (i + 1), "f": i / 3,
+                "special": [float("inf"), -0.0, float("nan")][i % 3], "b": i % 2 == 0,
+                "n": None, "s": f"s{i}\ud800" if i % 2 else "", "mixed": [1, True, 1.0][i % 3],
+                "a": -(2**31) if i % 2 else 2**31 - 1}
+               for i in range(9)]
+    with wasibox.Transform(identity) as t:
+        out = t.map(records, batch_size=9, progress=False)
+    for got, want in zip(out, records, strict=True):
+        assert list(got) == list(want)
+        assert [type(v) for v in got.values()] == [type(v) for v in want.values()]
+        assert repr(got) == repr(want)  # -0.0, nan and inf included
+    with wasibox.Transform(seen) as t:
+        views = t.map(records, batch_size=9, progress=False)
+    assert views == [[list(r), [type(v).__name__ for v in r.values()]] for r in records]
+    # Same keys in another order, in one batch: each dict keeps its own order.
+    swapped = [{"a": 1, "b": 2}, {"b": 3, "a": 4}, {"a": 5, "b": 6}]
+    with wasibox.Transform(identity) as t:
+        assert [list(r.items()) for r in t.map(swapped, batch_size=3, progress=False)] == \
+            [list(r.items()) for r in swapped]
+
+
 def test_homogeneous_dicts_with_failures_stay_aligned() -> None:
     code = textwrap.dedent("""\
         def transform(r):
