@@ -277,6 +277,12 @@ def test_bad_arguments_are_usage_errors() -> None:
     with wasibox.Transform(TOTAL) as t:
         with pytest.raises(wasibox.UsageError, match="record 1 is not plain data"):
             t.map([{"id": 1}, object()], progress=False)
+    # A bad record in a later batch: the batches before it are still delivered first.
+    with wasibox.Transform("def transform(r):\n    return r + 1\n", batch_size=2) as t:
+        out = t.imap([1, 2, 3, object()], progress=False)
+        assert [next(out), next(out)] == [2, 3]
+        with pytest.raises(wasibox.UsageError, match="record 3 is not plain data"):
+            next(out)
 
 
 def test_host_functions_are_forwarded_and_rerun_on_split() -> None:
