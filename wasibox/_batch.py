@@ -101,20 +101,24 @@ def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:
 
 
 def _fixed_rows(columns: list[bytes], count: int) -> bytes:
-    """Records whose every value has a fixed size: each byte position is one strided copy."""
+    """Records whose every value has a fixed size: one record's bytes repeated, then the
+    values' bytes copied in, one strided copy per byte position."""
     sizes = [len(column) // count for column in columns]
-    width = 2 + sum(5 + size for size in sizes)
-    rows = bytearray(width * count)
-    rows[0::width] = _DICT * count
-    offset = 1
+    template = bytearray(_DICT)
+    copies = []  # (offset in a record, column, first byte of each value to copy)
     for index, (column, size) in enumerate(zip(columns, sizes, strict=True)):
-        for position, byte in enumerate(_REF + _COUNT.pack(index)):
-            rows[offset + position::width] = bytes([byte]) * count
-        offset += 5
-        for position in range(size):
+        template += _REF + _COUNT.pack(index)
+        # An int32's or a float's type code is the same in every record: it goes in the
+        # template; a singleton's one byte is its value.
+        tagged = size > 1
+        copies.append((len(template), column, size, 1 if tagged else 0))
+        template += column[:1] + bytes(size - 1) if tagged else b"\x00"
+    template += _NULL
+    width = len(template)
+    rows = bytearray(template * count)
+    for offset, column, size, first in copies:
+        for position in range(first, size):
             rows[offset + position::width] = column[position::size]
-        offset += size
-    rows[offset::width] = _NULL * count
     return bytes(rows)
 
 
@@ -232,7 +236,7 @@ def _from_columns(body: dict[str, Any], count: int, errors: dict[int, dict[str, 
     if not keys:
         ok: list[Any] = [{} for _ in range(rows)]
     elif len(keys) <= _MAX_BUILT_COLUMNS:
-        ok = list(map(_row_builder(len(keys))(*keys), *decoded))
+        ok = _row_builder(len(keys))(*keys)(*decoded)
     else:
         ok = list(map(dict, map(zip, itertools.repeat(keys), zip(*decoded, strict=True))))
     if not errors:
@@ -250,18 +254,23 @@ _MAX_BUILT_COLUMNS = 64
 
 
 @functools.lru_cache(maxsize=_MAX_BUILT_COLUMNS)
-def _row_builder(width: int) -> Callable[..., Callable[..., dict[str, Any]]]:
-    """``make(k0, ..., kN)`` returning ``row(v0, ..., vN) -> {k0: v0, ...}``.
+def _row_builder(width: int) -> Callable[..., Callable[..., list[dict[str, Any]]]]:
+    """``make(k0, ..., kN)`` returning ``rows(c0, ..., cN) -> [{k0: v0, ...}, ...]``.
 
-    A dict display builds a row 2.4x faster than ``dict(zip(keys, values))``. The generated
-    source depends only on ``width``: the keys, which come from the guest, are passed in
-    as values and never become code.
+    A comprehension over the columns with a dict display builds rows 2.5x faster than
+    ``dict(zip(keys, values))``, and 1.5x faster than calling a function per row. The
+    generated source depends only on ``width``: the keys, which come from the guest, are
+    passed in as values and never become code.
     """
     names = [f"k{i}" for i in range(width)]
     values = [f"v{i}" for i in range(width)]
+    columns = [f"c{i}" for i in range(width)]
     pairs = ", ".join(f"{k}: {v}" for k, v in zip(names, values, strict=True))
     source = (f"def make({', '.join(names)}):\n"
-              f"    return lambda {', '.join(values)}: {{{pairs}}}\n")
+              f"    def rows({', '.join(columns)}):\n"
+              f"        return [{{{pairs}}} for {', '.join(values)},\n"
+              f"                in zip({', '.join(columns)}, strict=True)]\n"
+              f"    return rows\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<wasibox row builder>", "exec"), namespace)
     return namespace["make"]  # type: ignore[no-any-return]

@@ -61,10 +61,11 @@ of floats (``5 + 5 * rows`` or ``5 + 9 * rows`` bytes: ``[``, the count, then ea
 type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), or a JSON list of
 scalars; the bytes come next in the tail, in column order, and columns hold the records that
 did not fail, in order. The host never unmarshals them: it checks the header and every type
-code at its fixed place, then reads the values between the codes as an array. Before parsing, the host checks the JSON nests no deeper than
-``MAX_DEPTH`` plus the reply's own levels (see ``check_json_depth``). ``json`` holds one
-value per record (``null`` for failed and packed ones); a value goes there only if JSON
-round-trips it exactly, otherwise it is packed with msgpack (bytes, tuples, non-str keys).
+code at its fixed place, then reads the values between the codes as an array. Before
+parsing, the host checks the JSON nests no deeper than ``MAX_DEPTH`` plus the reply's own
+levels (see ``check_json_depth``). ``json`` holds one value per record (``null`` for failed
+and packed ones); a value goes there only if JSON round-trips it exactly, otherwise it is
+packed with msgpack (bytes, tuples, non-str keys).
 
 The reply is checked by hand rather than with pydantic: importing pydantic costs more than
 the whole cold start budget of a run (measured 80-190 ms), and the shape is small.
