@@ -521,12 +521,12 @@ _start = _runner.start
 # checks byte by byte (it never unmarshals them). Shapes: wasibox/_wire.py.
 #
 # Fuel, measured per record of {"id": int, "price": float, "qty": int} -> {"id", "total"}:
-# keyed records cost ~2K to load where one marshal list cost ~5K (each record decoded and
-# hashed its own copy of every key, and the function's lookups missed the identity check);
-# letting the batch's records and outputs die cost ~3.5K; checking that every output has the
-# same keys in the same order as one flat key list costs ~1.4K, where a set of key tuples
-# cost ~2.6K; marshal encodes a column and proves its exact types in one C pass (~0.3K),
-# where a set of types and struct.pack took two (~0.7K).
+# keyed records cost ~3K to load and call where one marshal list cost ~5K plus a slower call
+# (each record decoded and hashed its own copy of every key, and the function's lookups
+# missed the identity check); letting the batch's records and outputs die cost ~3.5K;
+# checking that every output has the same keys in the same order as one flat key list costs
+# ~0.9K, where a set of key tuples cost ~2.6K; marshal encodes a column and proves its exact
+# types in one C pass (~0.3K), where a set of types and struct.pack took two (~0.7K).
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _JSON = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
@@ -535,7 +535,7 @@ _B64 = base64.b64encode
 _BATCH_GC_THRESHOLD = 50_000
 _PACK = struct.pack
 _ITEM = operator.itemgetter
-_CHAIN = itertools.chain.from_iterable
+_EXHAUST = functools.partial(collections.deque, maxlen=0)
 #: What a batch made, kept to the end of the instance: freeing ~100,000 records and outputs
 #: one object at a time cost more fuel than the function did, and the instance dies with it.
 _HELD = []
@@ -667,8 +667,11 @@ def _columns(ok):
         return None
     keys = list(ok[0])
     # Every dict's keys, one after the other, are the first dict's, repeated: no dict can hold
-    # a key twice, so each has exactly these keys, in this order.
-    if set(map(type, keys)) - {str} or list(_CHAIN(ok)) != keys * rows:
+    # a key twice, so each has exactly these keys, in this order. list.extend reads a dict's
+    # keys without making an iterator: ~0.9K fuel a record, where itertools.chain took ~1.4K.
+    every = []
+    _EXHAUST(map(every.extend, ok))
+    if set(map(type, keys)) - {str} or every != keys * rows:
         return None
     columns, blobs = [], []
     for key in keys:
