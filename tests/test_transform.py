@@ -99,6 +99,12 @@ def test_batches_of_same_key_dicts_keep_exact_types_and_key_order() -> None:
             [list(r.items()) for r in swapped]
 
 
+def test_the_programs_collector_setting_is_kept() -> None:
+    code = "import gc\ngc.disable()\ndef transform(r):\n    return gc.isenabled()\n"
+    with wasibox.Transform(code) as t:
+        assert t.map([{"a": 1}, {"a": 2}], progress=False) == [False, False]
+
+
 def test_homogeneous_dicts_with_failures_stay_aligned() -> None:
     code = textwrap.dedent("""\
         def transform(r):

@@ -65,7 +65,7 @@ def _keyed(records: list[Any]) -> bytes | None:
     if not records or set(map(type, records)) != {dict}:
         return None
     keys = list(records[0])
-    if set(map(type, keys)) - {str} or len(keys) > _MAX_KEYED_KEYS:
+    if set(map(type, keys)) - {str}:
         return None
     # Every record's keys, one after the other, are the first record's repeated: no dict
     # holds a key twice, so each record has exactly these keys, in this order.
@@ -83,10 +83,6 @@ def _keyed(records: list[Any]) -> bytes | None:
     else:
         body = _variable_rows(columns, count)
     return b"".join(head) + body
-
-
-#: More keys than this and a record is sent as it is (the keyed form stays one byte a key).
-_MAX_KEYED_KEYS = 255
 
 
 def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:

@@ -560,11 +560,13 @@ def _execute_batch(job, records, streams):
         error = _describe(exc)
     else:
         # The collector has nothing to find in the records; frozen, it never walks them again.
+        collecting = gc.isenabled()  # the program may have turned the collector off
         gc.disable()
         try:
             loaded = marshal.loads(records)
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
         gc.freeze()
         if type(loaded) is tuple:  # keyed: (keys, records), each key in every record shared
             loaded = loaded[1]
