@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import socket
 import subprocess
@@ -576,3 +577,31 @@ def test_readme_policy_and_client_registration_are_valid() -> None:
                        if "mcpServers" in block]
     entry = registration["mcpServers"]["wasibox"]
     assert entry["command"] == "wasibox" and entry["args"][:1] == ["mcp"]
+
+
+def test_a_cancelled_tool_call_stops_its_run() -> None:
+    ticks: list[float] = []
+    config = parse_config({"tenants": {"agent": {
+        "token_sha256": "0" * 64, "clock": "real", "limits": {"fuel": 10**13, "timeout_s": 60}}}})
+    policy = dataclasses.replace(McpPolicy.from_config(config),
+                                 functions={"tick": lambda: ticks.append(time.monotonic())})
+    code = "import host, time\nwhile True:\n    host.tick()\n    time.sleep(0.05)"
+
+    async def main(client: Client) -> None:
+        call = asyncio.ensure_future(client.call_tool("run_python", {"code": code}))
+        assert await asyncio.to_thread(wait_for, lambda: len(ticks) >= 3)
+        call.cancel()  # the client cancels the request (notifications/cancelled)
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+
+        # The run stops: the guest makes no more calls (within the 60 s it was allowed).
+        def quiet() -> bool:
+            seen = len(ticks)
+            time.sleep(0.5)
+            return len(ticks) == seen
+
+        assert await asyncio.to_thread(wait_for, quiet)
+        result = await client.call_tool("run_python", {"code": "print('next')"})
+        assert "\nnext" in text(result)
+
+    in_process(policy, main)
