@@ -561,6 +561,22 @@ def test_idle_workspace_is_deleted_without_another_call() -> None:
     in_process(agent_policy(), main, store)
 
 
+def test_a_workspace_in_use_by_a_run_is_not_idle() -> None:
+    store = WorkspaceStore(idle_timeout_s=0.2)
+    code = ("import time\nopen('/workspace/before.txt', 'w').write('1')\n"
+            "time.sleep(1.0)\nopen('/workspace/after.txt', 'w').write('2')")
+
+    async def main(client: Client) -> None:
+        assert not (await client.call_tool("write_file", {"path": "kept.txt",
+                                                          "content": "0"})).is_error
+        report = text(await client.call_tool("run_python", {"code": code}))
+        assert "status: ok" in report and "deleted" not in report, report
+        listing = text(await client.call_tool("list_files", {}))
+        assert all(name in listing for name in ("kept.txt", "before.txt", "after.txt"))
+
+    in_process(agent_policy(clock="real"), main, store)
+
+
 def test_readme_policy_and_client_registration_are_valid() -> None:
     import json
     import re

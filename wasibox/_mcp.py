@@ -50,7 +50,7 @@ from pydantic import Field
 from ._config import Config, TenantConfig, load_config
 from ._errors import ConfigError, UsageError, WasiboxError
 from ._files import STAGING_DIR, Mount
-from ._hostcall import HostCalls, StopRun
+from ._hostcall import HostCalls, StopRun, host_error_message
 from ._limits import Limit, Limits
 from ._result import RunResult
 from ._sandbox import Sandbox
@@ -117,6 +117,7 @@ class WorkspaceStore:
         self.idle_timeout_s = idle_timeout_s
         self._dirs: dict[str, tuple[Path, float]] = {}
         self._expired: set[str] = set()
+        self._busy: dict[str, int] = {}  # runs using a session's workspace right now
         self._lock = threading.Lock()
         self._count = 0
         self._closed = threading.Event()
@@ -133,10 +134,15 @@ class WorkspaceStore:
         """The workspace of session ``key``, made on first use; marks it used now."""
         return self.acquire(key)[0]
 
-    def acquire(self, key: str) -> tuple[Path, bool]:
-        """Like ``get``; the flag says the session's old workspace was deleted as idle."""
+    def acquire(self, key: str, *, hold: bool = False) -> tuple[Path, bool]:
+        """Like ``get``; the flag says the session's old workspace was deleted as idle.
+
+        With ``hold``, the workspace is in use (never idle) until ``release(key)``.
+        """
         self.sweep()
         with self._lock:
+            if hold:
+                self._busy[key] = self._busy.get(key, 0) + 1
             entry = self._dirs.get(key)
             renewed = False
             if entry is None:
@@ -149,6 +155,16 @@ class WorkspaceStore:
                 path = entry[0]
             self._dirs[key] = (path, time.monotonic())
             return path, renewed
+
+    def release(self, key: str) -> None:
+        """End a ``hold``: the workspace counts as used now, and can become idle again."""
+        with self._lock:
+            left = self._busy.pop(key, 0) - 1
+            if left > 0:
+                self._busy[key] = left
+            entry = self._dirs.get(key)
+            if entry is not None:
+                self._dirs[key] = (entry[0], time.monotonic())
 
     def ephemeral(self) -> Path:
         """A workspace for one call outside any session (delete it with ``discard``)."""
@@ -170,7 +186,7 @@ class WorkspaceStore:
         now = time.monotonic()
         with self._lock:
             idle = [(key, path) for key, (path, used) in self._dirs.items()
-                    if now - used > self.idle_timeout_s]
+                    if now - used > self.idle_timeout_s and key not in self._busy]
             for key, _ in idle:
                 del self._dirs[key]
                 self._expired.add(key)
@@ -505,6 +521,37 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
     def tool_error(exc: WasiboxError) -> ToolError:
         return ToolError(str(exc))
 
+    async def run_in_sandbox(code: str, root: Path, timeout: float, notes: list[str],
+                             ctx: Context) -> str:
+        """Run ``code`` with ``root`` at /workspace, sending progress while it runs."""
+        try:
+            sandbox = policy.sandbox(root, timeout)
+        except WasiboxError as exc:
+            raise ToolError(host_error_message(exc)) from None  # no host paths
+        task = asyncio.ensure_future(sandbox.arun(code))
+        try:
+            started = time.monotonic()
+            while True:
+                try:
+                    done, _ = await asyncio.wait({task}, timeout=1.0)
+                except asyncio.CancelledError:
+                    task.cancel()  # the client cancelled the call: cancel the run too
+                    raise
+                if done:
+                    break
+                elapsed = time.monotonic() - started
+                try:
+                    await ctx.report_progress(min(elapsed, timeout), timeout,
+                                              f"running for {elapsed:.0f} s")
+                except Exception:  # noqa: BLE001 - progress is best effort
+                    pass
+            result = task.result()
+        except WasiboxError as exc:
+            raise ToolError(host_error_message(exc)) from None  # no host paths
+        finally:
+            sandbox.close()
+        return describe_result(result, sandbox.limits, notes)
+
     @server.tool(description=RUN_PYTHON_DESCRIPTION)
     async def run_python(
         code: Annotated[str, Field(description="the Python source to run")],
@@ -525,40 +572,18 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
             root = store.ephemeral()
             notes.append("no MCP session: /workspace was a throw-away directory for this run")
         else:
-            root, renewed = store.acquire(key)
+            root, renewed = store.acquire(key, hold=True)
             if renewed:
                 notes.append(f"this session's workspace was deleted after "
                              f"{store.idle_timeout_s:g} s without a call; /workspace started "
                              "empty")
         try:
-            sandbox = policy.sandbox(root, timeout)
-        except WasiboxError as exc:
-            raise tool_error(exc) from None
-        task = asyncio.ensure_future(sandbox.arun(code))
-        try:
-            started = time.monotonic()
-            while True:
-                try:
-                    done, _ = await asyncio.wait({task}, timeout=1.0)
-                except asyncio.CancelledError:
-                    task.cancel()  # the client cancelled the call: cancel the run too
-                    raise
-                if done:
-                    break
-                elapsed = time.monotonic() - started
-                try:
-                    await ctx.report_progress(min(elapsed, timeout), timeout,
-                                              f"running for {elapsed:.0f} s")
-                except Exception:  # noqa: BLE001 - progress is best effort
-                    pass
-            result = task.result()
-        except WasiboxError as exc:
-            raise tool_error(exc) from None
+            return await run_in_sandbox(code, root, timeout, notes, ctx)
         finally:
-            sandbox.close()
             if key is None:
                 store.discard(root)
-        return describe_result(result, sandbox.limits, notes)
+            else:
+                store.release(key)
 
     @server.tool(description=(
         "Write a UTF-8 text file into the session's workspace (seen by code as /workspace/"
