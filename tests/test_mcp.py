@@ -621,3 +621,14 @@ def test_a_cancelled_tool_call_stops_its_run() -> None:
         assert "\nnext" in text(result)
 
     in_process(policy, main)
+
+
+def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
+    from wasibox._cli import main
+
+    with pytest.raises(SystemExit):
+        main(["mcp", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    for tool in ("run_python", "write_file", "read_file", "list_files", "call_function"):
+        assert tool in usage
+    assert "--idle-timeout" in usage
