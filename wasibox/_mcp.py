@@ -492,23 +492,20 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         # `exit_stack`, unwound when the session ends (the client's DELETE, or the transport's
         # idle expiry). mcp 2.3 hands a tool that Connection only through the session's
         # private `_connection`: the public `Context.connection` of `mcp.server.context` is
-        # not built for handlers yet (its ServerRunner passes a ServerRequestContext), and no
-        # public hook reports a session's end. So use it while it is there; if a later SDK
-        # drops it, fall back to the public Mcp-Session-Id header, and the idle sweep
-        # (WorkspaceStore) still deletes the workspace.
+        # not built for tool handlers yet (its ServerRunner passes a ServerRequestContext),
+        # and no public hook reports a session's end. The public Mcp-Session-Id header is no
+        # substitute: on the stateless path nothing checks it, so a client could name any
+        # workspace. If a later SDK drops the attribute, this fails safe: every request is
+        # treated as sessionless (throw-away workspaces), and the HTTP tests fail loudly.
         connection: Any = getattr(ctx.request_context.session, "_connection", None)
         session_id = getattr(connection, "session_id", None)
-        if session_id is None:
-            headers = ctx.headers
-            session_id = headers.get("mcp-session-id") if headers is not None else None
-        if session_id is None:
+        if not isinstance(session_id, str):
             return None
         key = f"http:{session_id}"
-        state = getattr(connection, "state", None)
-        exit_stack = getattr(connection, "exit_stack", None)
-        if isinstance(state, dict) and exit_stack is not None and key not in state:
-            state[key] = True
-            exit_stack.callback(store.drop, key)
+        # Delete the workspace when the session ends.
+        if key not in connection.state:
+            connection.state[key] = True
+            connection.exit_stack.callback(store.drop, key)
         return key
 
     def workspace(ctx: Context) -> Path:
