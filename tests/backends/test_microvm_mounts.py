@@ -35,6 +35,7 @@ def tree(tmp_path: Path) -> dict[str, Path]:
         directory.mkdir(parents=True)
     (data / "in.csv").write_text("a,b\n1,2\n3,4\n5,6\n")
     (data / "sub" / "weights.txt").write_text("0.5 2\n")
+    (data / "sub" / "blob.bin").write_bytes(os.urandom(3 * 2**20 // 2))  # several frames
     (data / "to-secret").symlink_to(outside / "secret.txt")
     os.mkfifo(data / "pipe")
     (out / "old" / "stale.txt").write_text("stale")
@@ -63,8 +64,9 @@ def host_view(root: Path) -> dict[str, str]:
         elif path.is_dir():
             found[relative] = "/"
         else:
-            found[relative] = path.read_bytes().hex() if relative.endswith(".npy") \
-                else path.read_text()
+            data = path.read_bytes()
+            found[relative] = data.decode() if relative.endswith(".txt") \
+                else hashlib.sha256(data).hexdigest()
     return found
 
 
@@ -75,6 +77,7 @@ def staging_left(tree: dict[str, Path]) -> list[str]:
 
 
 NUMPY_JOB = textwrap.dedent("""
+    import hashlib
     import os
     import numpy as np
 
@@ -85,11 +88,15 @@ NUMPY_JOB = textwrap.dedent("""
         os.makedirs("/out/report", exist_ok=True)
         np.save("/out/report/result.npy", result)
         np.save("/scratch/thrown-away.npy", result)  # a scratch mount: gone after the run
+        with open("/data/sub/blob.bin", "rb") as source, open("/out/copy.bin", "wb") as copy:
+            blob = source.read()
+            copy.write(blob[::-1])
         with open("/out/change.txt", "w") as handle:
             handle.write("after")
         os.remove("/out/old/stale.txt")
         os.rmdir("/out/old")
         return {"result": result.tolist(), "listing": sorted(os.listdir("/data")),
+                "blob": hashlib.sha256(blob).hexdigest(),
                 "mode": oct(os.stat("/data/in.csv").st_mode & 0o777),
                 "keep": open("/out/keep.txt").read(), "scratch": os.listdir("/scratch")}
 """)
@@ -106,12 +113,15 @@ def test_numpy_reads_a_read_only_mount_and_its_artifact_appears_on_the_host(
     assert result.value["mode"] == "0o444"  # read-only: no write bits, as on wasm
     assert result.value["keep"] == "keep"
     assert result.value["scratch"] == ["thrown-away.npy"]
+    blob = (tree["data"] / "sub" / "blob.bin").read_bytes()
+    assert result.value["blob"] == hashlib.sha256(blob).hexdigest()
+    assert (tree["out"] / "copy.bin").read_bytes() == blob[::-1]
     view = host_view(tree["out"])
-    assert set(view) == {"change.txt", "keep.txt", "report", "report/result.npy"}
+    assert set(view) == {"change.txt", "copy.bin", "keep.txt", "report", "report/result.npy"}
     assert view["change.txt"] == "after" and view["keep.txt"] == "keep"
     saved = (tree["out"] / "report" / "result.npy").read_bytes()
     records = {record.path: record for record in result.files}
-    assert set(records) == {"/out/change.txt", "/out/report/result.npy"}
+    assert set(records) == {"/out/change.txt", "/out/copy.bin", "/out/report/result.npy"}
     assert records["/out/report/result.npy"].sha256 == hashlib.sha256(saved).hexdigest()
     assert result.files_refused == []
     assert staging_left(tree) == []
