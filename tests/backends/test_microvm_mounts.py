@@ -189,9 +189,13 @@ def test_what_the_guest_makes_in_the_vm_cannot_reach_the_host(
     assert staging_left(tree) == []
 
 
-def test_a_run_killed_at_its_timeout_or_over_its_quota_publishes_nothing(
+def test_a_run_that_fails_is_killed_or_is_over_its_quota_publishes_nothing(
         tree: dict[str, Path]) -> None:
     before = host_view(tree["out"])
+    with sandbox(tree) as sb:
+        result = sb.run("open('/out/change.txt', 'w').write('half')\nraise KeyError('late')")
+    assert result.error is not None and result.error.type == "KeyError"
+    assert result.files == [] and host_view(tree["out"]) == before
     killed = textwrap.dedent("""
         with open("/out/change.txt", "w") as handle:
             handle.write("half")
