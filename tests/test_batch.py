@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import marshal
 import struct
 
 import pytest
@@ -20,14 +21,37 @@ def reply(values: object, count: int, errors: list[object] | None = None, tail: 
     return json.dumps(body) + ("\x00" + tail if tail else "")
 
 
+def marshalled(values: list[object]) -> str:
+    return marshal.dumps(values, 2).decode("latin-1")
+
+
 def test_columns_decode_to_rows() -> None:
     ints = struct.pack("<3q", 1, -2, 2**62).decode("latin-1")
-    floats = struct.pack("<3d", 0.5, -0.0, float("inf")).decode("latin-1")
-    text = reply({"columns": ["q", ["a", None, "c"], "d"], "keys": ["n", "s", "x"]}, 3,
-                 tail=ints + floats)
+    text = reply({"columns": ["q", ["a", None, "c"], "g", "i"], "keys": ["n", "s", "x", "k"]},
+                 3, tail=ints + marshalled([0.5, -0.0, float("inf")])
+                 + marshalled([7, -(2**31), 2**31 - 1]))
     decoded = decode_batch_reply(text, 3, LIMIT)
-    assert decoded.values == [{"n": 1, "s": "a", "x": 0.5}, {"n": -2, "s": None, "x": -0.0},
-                              {"n": 2**62, "s": "c", "x": float("inf")}]
+    assert decoded.values == [{"n": 1, "s": "a", "x": 0.5, "k": 7},
+                              {"n": -2, "s": None, "x": -0.0, "k": -(2**31)},
+                              {"n": 2**62, "s": "c", "x": float("inf"), "k": 2**31 - 1}]
+    assert [list(map(type, row.values())) for row in decoded.values] == [[int, str, float, int],
+                                                                          [int, type(None),
+                                                                           float, int],
+                                                                          [int, str, float, int]]
+
+
+@pytest.mark.parametrize("kind, tail", [
+    ("i", marshalled([1, 2])[:10] + "T" + marshalled([1, 2])[11:]),  # a forged item tag
+    ("i", marshalled([1, True])),              # a bool where an int32 belongs
+    ("i", marshalled([1.5, 2.5])[:15]),        # float tags
+    ("g", marshalled([1, 2]) + "\x00" * 8),   # int tags where floats belong
+    ("i", marshalled([1, 2, 3])[:-5]),         # the header says 3 items, not 2
+    ("q", "\x00" * 15),                       # short int64 column
+])
+def test_forged_marshalled_columns_are_protocol_errors(kind: str, tail: str) -> None:
+    text = reply({"columns": [kind], "keys": ["n"]}, 2, tail=tail)
+    with pytest.raises(ProtocolError):
+        decode_batch_reply(text, 2, LIMIT)
 
 
 def test_keys_are_data_never_code() -> None:
@@ -47,6 +71,7 @@ def test_failed_positions_are_skipped_by_columns() -> None:
 @pytest.mark.parametrize("text, count", [
     ("not json", 1),
     (reply({"columns": ["q"], "keys": ["n"]}, 2, tail="x" * 15), 2),    # short column
+    (reply({"columns": ["d"], "keys": ["n"]}, 1, tail="x" * 8), 1),     # no such kind
     (reply({"columns": ["q"], "keys": ["n"]}, 1, tail="\u0100" * 8), 1), # not bytes
     (reply({"columns": [[1]], "keys": ["n", "n"]}, 1), 1),               # duplicate keys
     (reply({"columns": [[[1]]], "keys": ["n"]}, 1), 1),                  # nested in a column
@@ -79,3 +104,28 @@ def test_oversized_reply_is_refused_before_parsing() -> None:
 def test_equal_records_marshal_to_equal_bytes() -> None:
     key = "".join(["pr", "ice"])  # not interned, unlike the literal below
     assert encode_records([{key: 1}, {key: 2}]) == encode_records([{"price": 1}, {"price": 2}])
+
+
+def test_dicts_with_the_same_keys_go_keyed_and_load_exactly() -> None:
+    records = [{"id": i, "name": f"n{i}" * (i % 3), "price": i / 4, "tags": [i, (i,)],
+                "flag": i % 2 == 0, "none": None, "big": 2**40 + i, "raw": b"\x00"}
+               for i in range(50)]
+    keys, loaded = marshal.loads(encode_records(records))
+    assert keys == tuple(records[0])
+    assert loaded == records
+    assert [[type(v) for v in r.values()] for r in loaded] == \
+        [[type(v) for v in r.values()] for r in records]
+    assert all(list(r) == list(keys) for r in loaded)
+
+
+@pytest.mark.parametrize("records", [
+    [{"a": 1, "b": 2}, {"b": 1, "a": 2}],    # same keys, another order
+    [{"a": 1}, {"a": 1, "b": 2}],             # a key more
+    [{"a": 1}, {"b": 1}],
+    [{1: "int key"}, {1: "int key"}],
+    [{"a": 1}, [("a", 1)]],
+])
+def test_other_batches_go_as_one_plain_list(records: list[object]) -> None:
+    payload = encode_records(records)
+    assert payload == marshal.dumps(records, 2)
+    assert marshal.loads(payload) == records

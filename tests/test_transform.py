@@ -72,6 +72,39 @@ def test_values_keep_their_types() -> None:
     assert out[8] is None
 
 
+def test_batches_of_same_key_dicts_keep_exact_types_and_key_order() -> None:
+    """Same-key dicts travel keyed into the guest and as columns out of it: every column
+    kind (int32, int64, bigger ints, floats, bools, None, str, mixed) keeps its types."""
+    identity = "def transform(r):\n    return r\n"
+    seen = ("def transform(r):\n"
+            "    return [list(r), [type(v).__name__ for v in r.values()]]\n")
+    records = [{"z": i, "int64": 2**40 + i, "huge": 2**70 * (i + 1), "f": i / 3,
+                "special": [float("inf"), -0.0, float("nan")][i % 3], "b": i % 2 == 0,
+                "n": None, "s": f"s{i}\ud800" if i % 2 else "", "mixed": [1, True, 1.0][i % 3],
+                "a": -(2**31) if i % 2 else 2**31 - 1}
+               for i in range(9)]
+    with wasibox.Transform(identity) as t:
+        out = t.map(records, batch_size=9, progress=False)
+    for got, want in zip(out, records, strict=True):
+        assert list(got) == list(want)
+        assert [type(v) for v in got.values()] == [type(v) for v in want.values()]
+        assert repr(got) == repr(want)  # -0.0, nan and inf included
+    with wasibox.Transform(seen) as t:
+        views = t.map(records, batch_size=9, progress=False)
+    assert views == [[list(r), [type(v).__name__ for v in r.values()]] for r in records]
+    # Same keys in another order, in one batch: each dict keeps its own order.
+    swapped = [{"a": 1, "b": 2}, {"b": 3, "a": 4}, {"a": 5, "b": 6}]
+    with wasibox.Transform(identity) as t:
+        assert [list(r.items()) for r in t.map(swapped, batch_size=3, progress=False)] == \
+            [list(r.items()) for r in swapped]
+
+
+def test_the_programs_collector_setting_is_kept() -> None:
+    code = "import gc\ngc.disable()\ndef transform(r):\n    return gc.isenabled()\n"
+    with wasibox.Transform(code) as t:
+        assert t.map([{"a": 1}, {"a": 2}], progress=False) == [False, False]
+
+
 def test_homogeneous_dicts_with_failures_stay_aligned() -> None:
     code = textwrap.dedent("""\
         def transform(r):
@@ -250,6 +283,12 @@ def test_bad_arguments_are_usage_errors() -> None:
     with wasibox.Transform(TOTAL) as t:
         with pytest.raises(wasibox.UsageError, match="record 1 is not plain data"):
             t.map([{"id": 1}, object()], progress=False)
+    # A bad record in a later batch: the batches before it are still delivered first.
+    with wasibox.Transform("def transform(r):\n    return r + 1\n", batch_size=2) as t:
+        out = t.imap([1, 2, 3, object()], progress=False)
+        assert [next(out), next(out)] == [2, 3]
+        with pytest.raises(wasibox.UsageError, match="record 3 is not plain data"):
+            next(out)
 
 
 def test_host_functions_are_forwarded_and_rerun_on_split() -> None:

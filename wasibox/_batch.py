@@ -14,6 +14,8 @@ import functools
 import itertools
 import json
 import marshal
+import operator
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +31,106 @@ _EXCEPTION_KEYS = ("type", "message", "traceback")
 def encode_records(records: list[Any]) -> bytes:
     """Marshal ``records`` for a batch request; raises ValueError for non-plain data.
 
-    Version 2 of marshal has no back-references and no interning flags, so equal records
-    give equal bytes whatever their object identity (and so the guest burns the same fuel).
+    Dicts that all have the same str keys in the same order go keyed (see ``_keyed``);
+    anything else goes as one list in version 2 of marshal. Either way equal records give
+    equal bytes whatever their object identity (and so the guest burns the same fuel):
+    version 2 has no back-references and no interning flags, and the keyed form writes its
+    own, from the keys' text alone.
     """
-    return marshal.dumps(records, 2)
+    keyed = _keyed(records)
+    return keyed if keyed is not None else marshal.dumps(records, 2)
+
+
+# marshal's type codes (CPython's Python/marshal.c), for the keyed form.
+_LIST, _TUPLE, _DICT, _NULL, _REF, _INTERNED = b"[", b"(", b"{", b"0", b"r", b"t"
+_FLAG_REF = 0x80
+_INT32, _FLOAT = b"i", b"g"
+_COUNT = struct.Struct("<i")
+
+
+def _keyed(records: list[Any]) -> bytes | None:
+    """``marshal`` bytes of ``(keys, records)`` in which every record's keys are references.
+
+    The keys are written once, interned and flagged as back-references, and each record
+    refers to them (``r`` and the key's index) instead of carrying its own copy: the guest
+    then neither decodes nor hashes a key per record, and the function's ``r["id"]`` finds
+    its interned constant by identity. Values are version-2 marshal, as in the plain form.
+    None when the records are not dicts with the same str keys in the same order.
+
+    Columns whose values all have one fixed-size encoding (int32s, floats, or singletons
+    such as None) are laid out by strided byte copies; any other column marshals value by
+    value. All of it runs in C: no Python loop over the records.
+    """
+    count = len(records)
+    if not records or set(map(type, records)) != {dict}:
+        return None
+    keys = list(records[0])
+    if set(map(type, keys)) - {str}:
+        return None
+    # Every record's keys, one after the other, are the first record's repeated: no dict
+    # holds a key twice, so each record has exactly these keys, in this order.
+    if list(itertools.chain.from_iterable(records)) != keys * count:
+        return None
+    head = [_TUPLE, _COUNT.pack(2), _TUPLE, _COUNT.pack(len(keys))]
+    for key in keys:
+        text = key.encode("utf-8", "surrogatepass")
+        head += [bytes([_INTERNED[0] | _FLAG_REF]), _COUNT.pack(len(text)), text]
+    head += [_LIST, _COUNT.pack(count)]
+    columns = [_column_encoding(list(map(operator.itemgetter(key), records)), count)
+               for key in keys]
+    if all(isinstance(column, bytes) for column in columns):
+        body = _fixed_rows(columns, count)  # type: ignore[arg-type]
+    else:
+        body = _variable_rows(columns, count)
+    return b"".join(head) + body
+
+
+def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:
+    """A column's values as marshal: one bytes of equal-size encodings, or one bytes each."""
+    data = marshal.dumps(column, 2)[5:]  # without the list's own type code and length
+    size, rest = divmod(len(data), count)
+    if rest == 0 and (size == 1 or (size == 5 and data[::5] == _INT32 * count)
+                      or (size == 9 and data[::9] == _FLOAT * count)):
+        # One-byte values are singletons (None, True, False, ...); each code is its encoding.
+        return data
+    return list(map(marshal.dumps, column, itertools.repeat(2)))
+
+
+def _fixed_rows(columns: list[bytes], count: int) -> bytes:
+    """Records whose every value has a fixed size: one record's bytes repeated, then the
+    values' bytes copied in, one strided copy per byte position."""
+    sizes = [len(column) // count for column in columns]
+    template = bytearray(_DICT)
+    copies = []  # (offset in a record, column, first byte of each value to copy)
+    for index, (column, size) in enumerate(zip(columns, sizes, strict=True)):
+        template += _REF + _COUNT.pack(index)
+        # An int32's or a float's type code is the same in every record: it goes in the
+        # template; a singleton's one byte is its value.
+        tagged = size > 1
+        copies.append((len(template), column, size, 1 if tagged else 0))
+        template += column[:1] + bytes(size - 1) if tagged else b"\x00"
+    template += _NULL
+    width = len(template)
+    rows = bytearray(template * count)
+    for offset, column, size, first in copies:
+        for position in range(first, size):
+            rows[offset + position::width] = column[position::size]
+    return bytes(rows)
+
+
+def _variable_rows(columns: list[bytes | list[bytes]], count: int) -> bytes:
+    """Records with a column of varying sizes: interleave one bytes per value, then join."""
+    stride = 2 + 2 * len(columns)
+    pieces: list[bytes] = [b""] * (stride * count)
+    pieces[0::stride] = [_DICT] * count
+    pieces[stride - 1::stride] = [_NULL] * count
+    for index, column in enumerate(columns):
+        pieces[1 + 2 * index::stride] = [_REF + _COUNT.pack(index)] * count
+        if isinstance(column, bytes):
+            size = len(column) // count
+            column = [column[start:start + size] for start in range(0, len(column), size)]
+        pieces[2 + 2 * index::stride] = column
+    return b"".join(pieces)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,16 +223,16 @@ def _from_columns(body: dict[str, Any], count: int, errors: dict[int, dict[str, 
     if not (isinstance(keys, list) and isinstance(columns, list) and len(keys) == len(columns)
             and all(type(key) is str for key in keys) and len(set(keys)) == len(keys)):
         raise ProtocolError("the guest's batch reply has malformed columns")
-    blobs = sum(1 for column in columns if isinstance(column, str))
-    if len(tail) != 8 * rows * blobs:
+    sizes = [_blob_size(column, rows) for column in columns]
+    if len(tail) != sum(sizes):
         raise ProtocolError("the guest's batch reply has column bytes of the wrong length")
-    offsets = iter(range(0, len(tail) + 1, 8 * rows))
-    decoded = [_column(column, rows, tail, next(offsets) if isinstance(column, str) else 0)
-               for column in columns]
+    offsets = itertools.accumulate(sizes, initial=0)
+    decoded = [_column(column, rows, tail[offset:offset + size])
+               for column, offset, size in zip(columns, offsets, sizes, strict=False)]
     if not keys:
         ok: list[Any] = [{} for _ in range(rows)]
     elif len(keys) <= _MAX_BUILT_COLUMNS:
-        ok = list(map(_row_builder(len(keys))(*keys), *decoded))
+        ok = _row_builder(len(keys))(*keys)(*decoded)
     else:
         ok = list(map(dict, map(zip, itertools.repeat(keys), zip(*decoded, strict=True))))
     if not errors:
@@ -152,37 +250,68 @@ _MAX_BUILT_COLUMNS = 64
 
 
 @functools.lru_cache(maxsize=_MAX_BUILT_COLUMNS)
-def _row_builder(width: int) -> Callable[..., Callable[..., dict[str, Any]]]:
-    """``make(k0, ..., kN)`` returning ``row(v0, ..., vN) -> {k0: v0, ...}``.
+def _row_builder(width: int) -> Callable[..., Callable[..., list[dict[str, Any]]]]:
+    """``make(k0, ..., kN)`` returning ``rows(c0, ..., cN) -> [{k0: v0, ...}, ...]``.
 
-    A dict display builds a row 2.4x faster than ``dict(zip(keys, values))``. The generated
-    source depends only on ``width``: the keys, which come from the guest, are passed in
-    as values and never become code.
+    A comprehension over the columns with a dict display builds rows 2.5x faster than
+    ``dict(zip(keys, values))``, and 1.5x faster than calling a function per row. The
+    generated source depends only on ``width``: the keys, which come from the guest, are
+    passed in as values and never become code.
     """
     names = [f"k{i}" for i in range(width)]
     values = [f"v{i}" for i in range(width)]
+    columns = [f"c{i}" for i in range(width)]
     pairs = ", ".join(f"{k}: {v}" for k, v in zip(names, values, strict=True))
     source = (f"def make({', '.join(names)}):\n"
-              f"    return lambda {', '.join(values)}: {{{pairs}}}\n")
+              f"    def rows({', '.join(columns)}):\n"
+              f"        return [{{{pairs}}} for {', '.join(values)},\n"
+              f"                in zip({', '.join(columns)}, strict=True)]\n"
+              f"    return rows\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, "<wasibox row builder>", "exec"), namespace)
     return namespace["make"]  # type: ignore[no-any-return]
 
 
-def _column(column: Any, rows: int, tail: str, offset: int) -> list[Any]:
+#: Column kinds sent as bytes in the tail: item size, array type code, marshal type code.
+#: "i" and "g" are marshal lists of int32s and floats (``[``, the count, then a type code and
+#: the value for each item); "q" is little-endian int64s.
+_BLOBS = {"i": (4, "i", _INT32), "g": (8, "d", _FLOAT), "q": (8, "q", b"")}
+
+
+def _blob_size(column: Any, rows: int) -> int:
+    """How many tail characters a column takes (0 for a JSON list)."""
+    if isinstance(column, list):
+        return 0
+    if column not in _BLOBS:
+        raise ProtocolError("the guest's batch reply has a malformed column")
+    size, _, code = _BLOBS[column]
+    return (5 + (1 + size) * rows) if code else size * rows
+
+
+def _column(column: Any, rows: int, blob: str) -> list[Any]:
     if isinstance(column, list):
         if len(column) != rows or not set(map(type, column)) <= _SCALARS:
             raise ProtocolError("the guest's batch reply has a malformed column")
         return column
-    if column not in ("q", "d"):
-        raise ProtocolError("the guest's batch reply has a malformed column")
+    size, typecode, code = _BLOBS[column]
     try:
-        data = tail[offset:offset + 8 * rows].encode("latin-1")
+        data = blob.encode("latin-1")
     except UnicodeEncodeError:
         raise ProtocolError("a column's bytes are not one character per byte") from None
-    numbers = array.array(column)
-    if numbers.itemsize != 8:
-        raise ProtocolError(f"this host has no 8-byte array type {column!r}")
+    if code:
+        # Checked, never unmarshalled: the list's header, then every item's type code at its
+        # fixed place; the values are the bytes between the codes.
+        stride = 1 + size
+        if (data[:5] != _LIST + _COUNT.pack(rows)
+                or data[5::stride] != code * rows):
+            raise ProtocolError("the guest's batch reply has a malformed marshalled column")
+        packed = bytearray(size * rows)
+        for position in range(size):
+            packed[position::size] = data[6 + position::stride]
+        data = bytes(packed)
+    numbers = array.array(typecode)
+    if numbers.itemsize != size:
+        raise ProtocolError(f"this host has no {size}-byte array type {typecode!r}")
     numbers.frombytes(data)
     if sys.byteorder != "little":  # the guest (WebAssembly) is little-endian
         numbers.byteswap()

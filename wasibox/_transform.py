@@ -296,15 +296,23 @@ class Transform:
         done = failed = 0
         fuel_before = self._fuel_used
         index = start
-        # The next batch runs on a worker thread (wasm runs without the GIL) while this
-        # thread decodes the previous one: two batches in memory at most.
+        # Batches run one after another on a worker thread (wasm runs without the GIL) while
+        # this thread encodes the next one and decodes the previous one: two batches in
+        # memory at most, and the worker only ever runs wasm.
         ahead: collections.deque[tuple[list[Any], int, Future[Outcome]]] = collections.deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wasibox-transform") as pool:
 
             def submit_next() -> None:
                 nonlocal index
                 if batch := list(itertools.islice(records, size)):
-                    ahead.append((batch, index, pool.submit(self._attempt, batch, index)))
+                    try:
+                        payload = self._payload(batch, index)
+                    except UsageError as exc:  # raised in order, when this batch's turn comes
+                        future: Future[Outcome] = Future()
+                        future.set_exception(exc)
+                    else:
+                        future = pool.submit(self._attempt, batch, index, payload)
+                    ahead.append((batch, index, future))
                     index += len(batch)
 
             try:
@@ -334,14 +342,19 @@ class Transform:
         """Outputs (or Failed) for ``batch``, whose first record has index ``index``."""
         return self._settle(batch, index, self._attempt(batch, index))
 
-    def _attempt(self, batch: list[Any], index: int) -> Outcome:
-        """Run ``batch`` in one fresh instance; raises UsageError for a non-plain record."""
+    def _payload(self, batch: list[Any], index: int) -> bytes:
+        """``batch`` encoded for the guest; raises UsageError for a non-plain record."""
         try:
-            payload = encode_records(batch)
+            return encode_records(batch)
         except (ValueError, TypeError) as exc:
             bad = next((i for i, record in enumerate(batch) if not _marshallable(record)), 0)
             raise UsageError(f"record {index + bad} is not plain data (None, bool, int, "
                              f"float, str, bytes, lists, tuples and dicts): {exc}") from None
+
+    def _attempt(self, batch: list[Any], index: int, payload: bytes | None = None) -> Outcome:
+        """Run ``batch`` in one fresh instance; raises UsageError for a non-plain record."""
+        if payload is None:
+            payload = self._payload(batch, index)
         outcome = self._sandbox._execute_batch(self.spec.code, self.spec.entry, payload)
         with self._lock:
             self._fuel_used += outcome.fuel_used

@@ -35,8 +35,14 @@ same fuel)::
     {"op": "batch", "code": str, "entry": str, "seed": int | None,
      "star": bool}       # each record is a tuple of positional arguments
 
-followed by a NUL and then ``marshal(list of records, 2)``, one character per byte (base64
-cost the guest ~50 fuel per character to decode). Records are plain data; tuples are kept.
+followed by a NUL and then the records, one character per byte (base64 cost the guest ~50
+fuel per character to decode). Records are plain data; tuples are kept. Either
+``marshal(list of records, 2)``, or, when every record is a dict with the same str keys in
+the same order, the *keyed* form: the marshal bytes of a tuple ``(keys, records)`` in which
+each key is written once, interned and flagged as a back-reference, and every record refers
+to it (``r`` and the key's index) before its version-2 value. The host writes these bytes
+itself (``wasibox/_batch.py``), from the keys' text and the values alone, so they too are
+the same for equal records.
 
 The batch reply is JSON, written by the runner's ``_execute_batch`` and checked on the host by
 ``wasibox/_batch.py`` (the host never unmarshals guest bytes)::
@@ -50,12 +56,16 @@ The batch reply is JSON, written by the runner's ``_execute_batch`` and checked 
 
 The JSON is followed by a NUL and the raw bytes of the numeric columns, one character per
 byte (JSON never contains a raw NUL; escaping or base64 cost more fuel than packing). A
-column is ``"q"`` (little-endian int64s) or ``"d"`` (float64s), whose ``8 * rows`` bytes come
-next in that tail, in column order, or a JSON list of scalars; columns hold the records that
-did not fail, in order. Before parsing, the host checks the JSON nests no deeper than
-``MAX_DEPTH`` plus the reply's own levels (see ``check_json_depth``). ``json`` holds one
-value per record (``null`` for failed and packed ones); a value goes there only if JSON
-round-trips it exactly, otherwise it is packed with msgpack (bytes, tuples, non-str keys).
+column is ``"i"`` or ``"g"``, the guest's ``marshal.dumps(column, 2)`` of a list of int32s or
+of floats (``5 + 5 * rows`` or ``5 + 9 * rows`` bytes: ``[``, the count, then each item's
+type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), or a JSON list of
+scalars; the bytes come next in the tail, in column order, and columns hold the records that
+did not fail, in order. The host never unmarshals them: it checks the header and every type
+code at its fixed place, then reads the values between the codes as an array. Before
+parsing, the host checks the JSON nests no deeper than ``MAX_DEPTH`` plus the reply's own
+levels (see ``check_json_depth``). ``json`` holds one value per record (``null`` for failed
+and packed ones); a value goes there only if JSON round-trips it exactly, otherwise it is
+packed with msgpack (bytes, tuples, non-str keys).
 
 The reply is checked by hand rather than with pydantic: importing pydantic costs more than
 the whole cold start budget of a run (measured 80-190 ms), and the shape is small.

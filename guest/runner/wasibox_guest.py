@@ -515,9 +515,18 @@ _start = _runner.start
 # -- run time: batches of records (wasibox.Transform) ----------------------------------------
 #
 # The records arrive marshalled (the host is trusted; marshal is CPython's fastest built-in
-# codec). The reply is JSON, which the host can decode safely; a batch of dicts with the same
-# keys and scalar values travels as columns, numbers as raw little-endian arrays. Shapes:
-# wasibox/_wire.py.
+# codec); dicts with the same keys arrive "keyed", each key once, interned, and referenced by
+# every record. The reply is JSON, which the host can decode safely; a batch of dicts with the
+# same keys and scalar values travels as columns, numbers as marshalled lists that the host
+# checks byte by byte (it never unmarshals them). Shapes: wasibox/_wire.py.
+#
+# Fuel, measured per record of {"id": int, "price": float, "qty": int} -> {"id", "total"}:
+# keyed records cost ~3K to load and call where one marshal list cost ~5K plus a slower call
+# (each record decoded and hashed its own copy of every key, and the function's lookups
+# missed the identity check); letting the batch's records and outputs die cost ~3.5K;
+# checking that every output has the same keys in the same order as one flat key list costs
+# ~0.9K, where a set of key tuples cost ~2.6K; marshal encodes a column and proves its exact
+# types in one C pass (~0.3K), where a set of types and struct.pack took two (~0.7K).
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _JSON = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
@@ -526,6 +535,10 @@ _B64 = base64.b64encode
 _BATCH_GC_THRESHOLD = 50_000
 _PACK = struct.pack
 _ITEM = operator.itemgetter
+_EXHAUST = functools.partial(collections.deque, maxlen=0)
+#: What a batch made, kept to the end of the instance: freeing ~100,000 records and outputs
+#: one object at a time cost more fuel than the function did, and the instance dies with it.
+_HELD = []
 
 
 def _execute_batch(job, records, streams):
@@ -546,14 +559,29 @@ def _execute_batch(job, records, streams):
         memory_error = isinstance(exc, MemoryError)
         error = _describe(exc)
     else:
-        records = iter(marshal.loads(records))
+        # The collector has nothing to find in the records; frozen, it never walks them again.
+        collecting = gc.isenabled()  # the program may have turned the collector off
+        gc.disable()
+        try:
+            loaded = marshal.loads(records)
+        finally:
+            if collecting:
+                gc.enable()
+        gc.freeze()
+        if type(loaded) is tuple:  # keyed: (keys, records), each key in every record shared
+            loaded = loaded[1]
+        _HELD.append(loaded)
+        records = iter(loaded)
         if job.get("star"):  # each record is a tuple of positional arguments
             function = functools.partial(_star, function)
         # A young-generation collection every 2,000 allocations spends most of its time
         # walking this batch's records and outputs, which stay alive to the end anyway:
-        # collecting 25 times less often saved ~12% of a batch's fuel. The instance serves
-        # this one batch, so the setting dies with it.
-        gc.set_threshold(_BATCH_GC_THRESHOLD, *gc.get_threshold()[1:])
+        # collecting 25 times less often saved ~12% of a batch's fuel. Outputs count as
+        # allocations too, so the headroom grows by two per record: cyclic garbage still
+        # gets 50,000 objects before a collection, and the outputs alone never force one
+        # (another 3.5% for 100,000 records). The instance serves this one batch, so the
+        # setting dies with it.
+        gc.set_threshold(_BATCH_GC_THRESHOLD + 2 * len(loaded), *gc.get_threshold()[1:])
         while True:
             try:
                 # map() runs the loop in C; a record that raises ends this extend, and the
@@ -574,6 +602,7 @@ def _execute_batch(job, records, streams):
         except BaseException:
             pass
     _restore_builtins()
+    _HELD.append(values)
     header = {"error": error, "memory_error": memory_error, "count": len(values)}
     body, blobs = _encode_values(values, errors) if error is None else ("null", [])
     header["errors"] = errors
@@ -629,30 +658,49 @@ def _encode_values(values, errors):
 
 
 def _columns(ok):
-    """Dicts with the same str keys and scalar values, as one column per key; else None."""
+    """Dicts with the same str keys, in the same order, and scalar values, as one column per
+    key; else None.
+
+    Each column is "i" or "g" (its marshal bytes: all int32s or all floats, which the tags
+    prove), "q" (little-endian int64s) or a JSON list of scalars.
+    """
+    rows = len(ok)
     if not ok or set(map(type, ok)) != {dict}:
         return None
-    keys = tuple(ok[0])
-    if set(map(type, keys)) - {str} or len(set(map(tuple, ok))) != 1:
+    keys = list(ok[0])
+    # Every dict's keys, one after the other, are the first dict's, repeated: no dict can hold
+    # a key twice, so each has exactly these keys, in this order. list.extend reads a dict's
+    # keys without making an iterator: ~0.9K fuel a record, where itertools.chain took ~1.4K.
+    every = []
+    _EXHAUST(map(every.extend, ok))
+    if set(map(type, keys)) - {str} or every != keys * rows:
         return None
     columns, blobs = [], []
     for key in keys:
         column = list(map(_ITEM(key), ok))
-        kinds = set(map(type, column))
-        if kinds == {int} or kinds == {float}:
-            code = "q" if int in kinds else "d"
-            try:
-                data = _PACK(f"<{len(column)}{code}", *column)
-            except struct.error:  # an int outside int64
-                columns.append(column)
-            else:
-                columns.append(code)
-                blobs.append(data.decode("latin-1"))
-        elif kinds <= _SCALARS:
-            columns.append(column)
-        else:
+        _HELD.append(column)
+        try:
+            data = marshal.dumps(column, 2)
+        except ValueError:  # an object marshal refuses: the generic path decides
             return None
-    return columns, list(keys), blobs
+        if len(data) == 5 + 5 * rows and data[5::5] == b"i" * rows:
+            columns.append("i")
+        elif len(data) == 5 + 9 * rows and data[5::9] == b"g" * rows:
+            columns.append("g")
+        else:
+            kinds = set(map(type, column))
+            if not kinds <= _SCALARS:
+                return None
+            try:
+                if kinds != {int}:
+                    raise struct.error
+                data = _PACK(f"<{rows}q", *column)
+            except struct.error:  # not all ints, or an int outside int64
+                columns.append(column)
+                continue
+            columns.append("q")
+        blobs.append(data.decode("latin-1"))
+    return columns, keys, blobs
 
 
 def _exit_status(code):
@@ -723,6 +771,8 @@ def _warm_up():
     sys.stdout, sys.stderr = saved
     _start = real_start
     linecache.cache.pop(_SOURCE_NAME, None)
+    _HELD.clear()
+    gc.unfreeze()  # the warm-up batches froze what they made; let the final collection see it
 
 
 _warm_up()
