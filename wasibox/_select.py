@@ -9,10 +9,21 @@ functions must not happen twice.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
+import threading
 from collections.abc import Collection, Iterable
+from typing import Literal, overload
 
-__all__ = ["WASM_MODULES", "imported_modules", "needs_microvm", "wasm_lacks"]
+__all__ = ["WASM_MODULES", "imported_modules", "needs_microvm", "parse", "wasm_lacks"]
+
+#: CPython 3.11's ``ast.parse`` is not safe to call from several threads at once: its
+#: conversion to Python objects keeps a recursion depth in interpreter-wide state, and
+#: concurrent parses fail with "SystemError: AST constructor recursion depth mismatch".
+_PARSE_LOCK = threading.Lock()
+#: Sources up to this size have their import scan cached (services and fuzzers run the
+#: same code again and again); larger ones are scanned each time, so the cache stays small.
+_CACHED_SOURCE_CHARS = 64 * 1024
 
 #: Standard-library modules the wasm guest cannot provide (no native libraries, no OS process
 #: model, no terminal); the guest runner refuses them with a clear ImportError.
@@ -26,18 +37,41 @@ _WASM_UNAVAILABLE = frozenset({
 WASM_MODULES = frozenset(sys.stdlib_module_names - _WASM_UNAVAILABLE) | {"msgpack", "tzdata"}
 
 
+@overload
+def parse(source: str, mode: Literal["exec"] = "exec") -> ast.Module: ...
+@overload
+def parse(source: str, mode: Literal["eval"]) -> ast.Expression: ...
+
+
+def parse(source: str, mode: Literal["exec", "eval"] = "exec") -> ast.Module | ast.Expression:
+    """``ast.parse``, one thread at a time (see ``_PARSE_LOCK``). Raises what it raises."""
+    with _PARSE_LOCK:
+        return ast.parse(source, mode=mode)  # type: ignore[return-value]
+
+
 def imported_modules(code: str) -> set[str]:
     """The top-level modules ``code`` imports, found statically; empty if it does not parse.
 
     Counts ``import x``, ``from x import y``, and ``__import__("x")`` /
     ``importlib.import_module("x")`` with a literal name. Relative imports are ignored.
     """
+    if len(code) <= _CACHED_SOURCE_CHARS:
+        return set(_cached_scan(code))
+    return set(_scan(code))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_scan(code: str) -> frozenset[str]:
+    return _scan(code)
+
+
+def _scan(code: str) -> frozenset[str]:
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         # The run reports the error (or hits its limit) in the guest; no backend does better,
         # and a hostile source must not take the host's parser down.
-        return set()
+        return frozenset()
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -53,7 +87,7 @@ def imported_modules(code: str) -> set[str]:
             if (name in ("__import__", "import_module") and isinstance(first, ast.Constant)
                     and isinstance(first.value, str)):
                 found.add(first.value.partition(".")[0])
-    return {name for name in found if name}
+    return frozenset(name for name in found if name)
 
 
 def wasm_lacks(code: str, requires: Iterable[str]) -> set[str]:

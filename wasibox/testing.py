@@ -39,6 +39,7 @@ from ._errors import UsageError
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
 from ._sandbox import Sandbox, unwrap
+from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT, _canonical
 from ._wire import ProtocolError
 from .backends.base import Backend
@@ -198,7 +199,7 @@ def signature_of(code: str, entry: str) -> list[tuple[str, ast.expr | None]]:
     Raises UsageError if the code does not parse or defines no such top-level function.
     """
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except SyntaxError as exc:
         raise UsageError(f"the code does not parse: {exc}") from None
     for node in tree.body:
@@ -221,9 +222,9 @@ def strategy_for(annotation: ast.expr | str | None, name: str = "?") -> st.Searc
     """
     if annotation is None:
         return PLAIN_DATA
-    node = ast.parse(annotation, mode="eval").body if isinstance(annotation, str) else annotation
+    node = parse(annotation, "eval").body if isinstance(annotation, str) else annotation
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        node = ast.parse(node.value, mode="eval").body
+        node = parse(node.value, "eval").body
     if isinstance(node, ast.Name) and node.id in ("str", "bytes"):
         # A parameter of its own may be long: parsers and codecs go quadratic on size.
         return TEXT if node.id == "str" else BINARY
