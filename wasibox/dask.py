@@ -33,6 +33,7 @@ from ._transform import Failed, OnError, Transform, TransformSpec, _canonical, _
 __all__ = [
     "FunctionRefused",
     "GuestMismatch",
+    "WasiboxAccessor",
     "WasiboxPlugin",
     "fingerprint",
     "map_partitions",
@@ -42,6 +43,9 @@ __all__ = [
 #: Environment variable a worker reads for extra host functions it allows (comma-separated
 #: import paths), in addition to its plugin's ``allow_functions``.
 ALLOW_ENV = "WASIBOX_DASK_ALLOW_FUNCTIONS"
+
+#: The column of a DataFrame result that holds each failed row's ``wasibox.Failed``.
+FAILED_COLUMN = "failed"
 
 
 class GuestMismatch(GuestBuildError):
@@ -205,25 +209,49 @@ def _rows(frame: Any) -> list[dict[str, Any]]:
     return frame.to_dict("records")
 
 
-def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None) -> Any:
-    """A pandas DataFrame of one partition's output rows, indexed by global record index."""
+def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None,
+           columns: list[str] | None) -> Any:
+    """A pandas DataFrame of one partition's output rows, indexed by global record index.
+
+    Every partition gets exactly ``columns`` (in that order; None: the keys of its rows, in
+    order of first appearance), then, under ``"collect"``, a ``failed`` column holding each
+    failed row's ``wasibox.Failed`` (None for the others). A row key outside ``columns``
+    raises UsageError: its column would be missing from the result's other partitions.
+    """
     import pandas
 
     if policy == "raise" and first is not None:
         raise first.error
-    rows, labels = [], []
+    rows: list[dict[str, Any]] = []
+    labels: list[int] = []
+    failures: list[Failed | None] = []
     for offset, item in enumerate(items):
         if isinstance(item, Failed):
             if policy == "skip":
                 continue
-            rows.append({"failed": item})
+            rows.append({})
+            failures.append(item)
         elif isinstance(item, Mapping):
             rows.append(dict(item))
+            failures.append(None)
         else:
             raise UsageError(f"a DataFrame transform must return dicts (rows), not "
                              f"{type(item).__name__}")
         labels.append(start + offset)
-    return pandas.DataFrame.from_records(rows, index=labels)
+    frame = pandas.DataFrame.from_records(rows, index=pandas.Index(labels, dtype="int64"))
+    if FAILED_COLUMN in frame.columns:
+        raise UsageError(f"a DataFrame transform's rows must not have a {FAILED_COLUMN!r} "
+                         f"key: that column holds the failures")
+    if columns is not None:
+        extra = [name for name in frame.columns if name not in columns]
+        if extra:
+            raise UsageError(
+                f"rows from record {start} on have columns {extra} that the first partition "
+                f"(or meta=) does not have; pass meta= naming every output column")
+        frame = frame.reindex(columns=columns)
+    if policy == "collect":
+        frame[FAILED_COLUMN] = pandas.Series(failures, index=frame.index, dtype=object)
+    return frame
 
 
 def _transform_parts(transform: Transform, collection: Any, on_error: OnError | None,
@@ -265,8 +293,11 @@ def map_partitions(transform: Transform, collection: Any, *, on_error: OnError |
     """Apply ``transform`` to every record of a dask Bag or DataFrame, lazily.
 
     A Bag gives a Bag of outputs; a DataFrame gives its rows to the transform as dicts and
-    returns a DataFrame of the output rows (dicts), indexed by global record index (a failed
-    row, under ``"collect"``, has a ``failed`` column holding its ``wasibox.Failed``).
+    returns a DataFrame of the output rows (dicts), indexed by global record index. Its
+    columns are those of ``meta`` (an empty pandas DataFrame) or, without ``meta``, the keys
+    of the first partition's output rows in order (that partition runs once now to find
+    them); under ``"collect"`` a last ``failed`` column holds each failed row's
+    ``wasibox.Failed`` (None elsewhere).
     ``functions`` maps guest-visible names to import paths (``"module:function"``) that
     every worker must allow. Failures carry global indexes; under ``"raise"`` computing
     raises the failure with the lowest index. Raises UsageError for bad arguments.
@@ -275,13 +306,36 @@ def map_partitions(transform: Transform, collection: Any, *, on_error: OnError |
     first = (delayed(_earliest)(*[delayed(_first_failure)(part) for part in ran])
              if policy == "raise" else None)
     if frame:
-        import dask.dataframe as dd
-
-        frames = [delayed(_frame)(part, start, policy, first)
-                  for part, start in zip(ran, starts, strict=True)]
-        return dd.from_delayed(frames, meta=meta) if meta is not None else dd.from_delayed(
-            frames)
+        return _dataframe(ran, starts, policy, first, meta)
     return db.from_delayed([delayed(_finish)(part, policy, first) for part in ran])
+
+
+def _dataframe(ran: list[Delayed], starts: list[Delayed], policy: OnError,
+               first: Delayed | None, meta: Any) -> Any:
+    """The output DataFrame: every partition with the columns of ``meta``, or (no meta)
+    of the first partition's rows, which this computes now (only that partition)."""
+    import dask.dataframe as dd
+    import pandas
+
+    if meta is None:
+        probe = delayed(_frame)(ran[0], starts[0], "skip" if policy == "raise" else policy,
+                                None, None)
+        (sample,) = dask.compute(probe)  # type: ignore[attr-defined]
+        meta = sample.iloc[:0]
+    elif not isinstance(meta, pandas.DataFrame):
+        raise UsageError(f"meta must be an (empty) pandas DataFrame, not "
+                         f"{type(meta).__name__}")
+    columns = [name for name in meta.columns if name != FAILED_COLUMN]
+    meta = meta[columns]
+    if policy == "collect":
+        meta = meta.assign(**{FAILED_COLUMN: pandas.Series(dtype=object)})
+    frames = [delayed(_frame)(part, start, policy, first, columns)
+              for part, start in zip(ran, starts, strict=True)]
+    # Partitions may differ in dtype (an int column with a failed row is float): pandas
+    # upcasts when they are concatenated, as it does for one frame of all the rows. Object
+    # columns stay objects: dask would turn them into strings, the Failed ones included.
+    with dask.config.set({"dataframe.convert-string": False}):
+        return dd.from_delayed(frames, meta=meta, verify_meta=False)
 
 
 def fingerprint(transform: Transform, collection: Any, *,
@@ -297,3 +351,55 @@ def fingerprint(transform: Transform, collection: Any, *,
             digest.update(Transform._fingerprint_entry(index, item))
             index += 1
     return "sha256:" + digest.hexdigest()
+
+
+# -- method-style helpers -----------------------------------------------------------------------
+
+
+class WasiboxAccessor:
+    """``collection.wasibox``: wasibox.dask's functions as methods of a dask DataFrame or Bag.
+
+    Registered when ``wasibox.dask`` is imported: ``frame.wasibox.map(transform)`` is
+    ``map_partitions(transform, frame)``, ``bag.wasibox.fingerprint(transform)`` is
+    ``fingerprint(transform, bag)``.
+    """
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def map(self, transform: Transform, *, on_error: OnError | None = None,
+            functions: Mapping[str, str] | None = None, meta: Any = None) -> Any:
+        """``map_partitions(transform, collection, ...)``."""
+        return map_partitions(transform, self._collection, on_error=on_error,
+                              functions=functions, meta=meta)
+
+    def fingerprint(self, transform: Transform, *, functions: Mapping[str, str] | None = None,
+                    **compute_options: Any) -> str:
+        """``fingerprint(transform, collection, ...)``."""
+        return fingerprint(transform, self._collection, functions=functions,
+                           **compute_options)
+
+
+class _BagAccessor:
+    """The descriptor that makes ``bag.wasibox`` a WasiboxAccessor (dask has no accessor
+    registry for bags, so this is what its DataFrame registry does, done for Bag)."""
+
+    def __get__(self, bag: Any, owner: type) -> Any:
+        if bag is None:
+            return WasiboxAccessor
+        return WasiboxAccessor(bag)
+
+
+def _register_accessors() -> None:
+    if not hasattr(db.Bag, "wasibox"):
+        db.Bag.wasibox = _BagAccessor()  # type: ignore[attr-defined]
+    try:
+        import dask.dataframe as dd
+        from dask.dataframe.extensions import register_dataframe_accessor
+    except ImportError:  # no pandas: bags only
+        return
+    if not hasattr(dd.DataFrame, "wasibox"):
+        register_dataframe_accessor("wasibox")(WasiboxAccessor)
+
+
+_register_accessors()
