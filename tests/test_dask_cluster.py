@@ -189,3 +189,20 @@ def test_a_worker_killed_mid_transform_is_retried_with_the_same_result(
         assert out == [{"id": i, "x": 2 * i} for i in range(40)]
     client.wait_for_workers(2, timeout=60)
     assert set(client.scheduler_info()["workers"]) != before  # the nanny replaced it
+
+
+def test_a_worker_with_another_guest_is_refused(client: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client whose wasibox runs another guest than the workers' (here: claims to).
+    other = "0" * 64
+    monkeypatch.setattr(wd, "guest_digest", lambda: other)
+    with wasibox.Transform("def transform(r):\n    return r\n") as t:
+        with pytest.raises(wd.GuestMismatch, match=f"but the client expects {other}: install "
+                                                   f"the same wasibox version"):
+            wd.map_partitions(t, db.from_sequence(range(4), npartitions=2)).compute()
+        # The plugin refuses it as the workers start (or at once, for running workers).
+        with pytest.raises(wd.GuestMismatch, match="runs guest [0-9a-f]{64}, but the client"):
+            wd.register(client)
+        monkeypatch.undo()
+        wd.register(client, allow_functions=[f"{HERE}:double"])
+        assert t.to_dask(db.from_sequence(range(4), npartitions=2)).compute() == [0, 1, 2, 3]

@@ -116,6 +116,21 @@ def _runtime() -> _Runtime:
         return _RUNTIME
 
 
+def _mismatch(address: str, digest: str, expected: str) -> str:
+    return (f"worker {address} runs guest {digest}, but the client expects {expected}: "
+            f"install the same wasibox version (and dependencies) on every worker, so that "
+            f"results stay deterministic")
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except ValueError:  # not in a distributed worker (a local scheduler)
+        return "(local)"
+
+
 class WasiboxPlugin(WorkerPlugin):
     """Sets up one warm wasibox runtime per worker, once, when the worker starts.
 
@@ -136,10 +151,8 @@ class WasiboxPlugin(WorkerPlugin):
         global _RUNTIME
         digest = guest_digest()  # builds or loads the guest: once per worker
         if self.guest_digest is not None and digest != self.guest_digest:
-            raise GuestMismatch(
-                f"worker {getattr(worker, 'address', '?')} runs guest {digest}, but the "
-                f"client expects {self.guest_digest}: install the same wasibox version "
-                f"(and dependencies) on every worker")
+            raise GuestMismatch(_mismatch(getattr(worker, "address", "?"), digest,
+                                          self.guest_digest))
         runtime = _Runtime(digest, [*self.allow_functions, *_environment_allows()])
         # Warm the engine and the compiled guest, so no task pays for them.
         with Transform("def transform(r):\n    return r\n") as warm:
@@ -171,11 +184,15 @@ def register(client: Client, *, allow_functions: Iterable[str] = ()) -> None:
 # -- running partitions -------------------------------------------------------------------------
 
 
-def _run_partition(spec: dict[str, Any], functions: dict[str, str], records: Sequence[Any],
-                   start: int) -> list[Any]:
+def _run_partition(spec: dict[str, Any], functions: dict[str, str], digest: str,
+                   records: Sequence[Any], start: int) -> list[Any]:
     """Outputs (Failed in place of failures) for one partition whose first record is
-    ``start``; runs on a worker."""
-    transform = _runtime().transform(spec, functions)
+    ``start``; runs on a worker, which refuses if its guest is not ``digest`` (the client's),
+    plugin or not."""
+    runtime = _runtime()
+    if runtime.digest != digest:
+        raise GuestMismatch(_mismatch(_worker_address(), runtime.digest, digest))
+    transform = runtime.transform(spec, functions)
     return transform.map(list(records), on_error="collect", start=start, progress=False)
 
 
@@ -275,7 +292,8 @@ def _transform_parts(transform: Transform, collection: Any, on_error: OnError | 
     lengths = [delayed(len)(part) for part in parts]
     starts = delayed(_offsets, nout=len(parts))(*lengths)
     spec = transform.spec.to_dict()
-    ran = [delayed(_run_partition, pure=True)(spec, names, part, starts[i])
+    digest = guest_digest()
+    ran = [delayed(_run_partition, pure=True)(spec, names, digest, part, starts[i])
            for i, part in enumerate(parts)]
     return ran, [starts[i] for i in range(len(parts))], policy, frame
 
