@@ -7,23 +7,27 @@ as import paths (``"package.module:function"``) and a worker runs only those its
 compiled guest, sandboxes), set up once by the plugin, which also refuses to start when the
 worker's guest digest differs from the client's.
 
-Results equal a local ``Transform.map`` over the same records: every partition runs with
-``start=`` its global offset, so failures carry global indexes, and under ``on_error="raise"``
-the error raised is the one with the lowest index, whatever the partitioning.
+Results equal a local ``Transform.map`` over the same records: every partition's failures
+are numbered from its global offset, so they carry global indexes, and under
+``on_error="raise"`` the error raised is the one with the lowest index, whatever the
+partitioning. Importing this module also gives bags and DataFrames a ``.wasibox`` accessor:
+``collection.wasibox.map(transform)``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import dask
 import dask.bag as db
 from dask.delayed import Delayed, delayed
+from dask.sizeof import sizeof
 from distributed import Client, WorkerPlugin
 
 from ._errors import GuestBuildError, UsageError
@@ -184,16 +188,62 @@ def register(client: Client, *, allow_functions: Iterable[str] = ()) -> None:
 # -- running partitions -------------------------------------------------------------------------
 
 
+class _Outputs:
+    """One partition's records or outputs, boxed between tasks: distributed pickles a box in
+    one piece, where it serializes a list of dicts element by element, tens of times slower
+    (and slow transfers between workers are what stops a cluster from scaling)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Outputs, (self.items,))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __sizeof__(self) -> int:  # what dask's scheduler weighs before moving it
+        return int(sizeof(self.items))
+
+
 def _run_partition(spec: dict[str, Any], functions: dict[str, str], digest: str,
-                   records: Sequence[Any], start: int) -> list[Any]:
-    """Outputs (Failed in place of failures) for one partition whose first record is
-    ``start``; runs on a worker, which refuses if its guest is not ``digest`` (the client's),
-    plugin or not."""
+                   records: Iterable[Any]) -> _Outputs:
+    """Outputs (Failed in place of failures, numbered from 0) for one partition; runs on a
+    worker, which refuses if its guest is not ``digest`` (the client's), plugin or not.
+
+    It does not wait for the partition's global offset (which needs every partition's
+    length): it runs as soon as its records exist, where they are, and ``_renumber`` then
+    gives its failures their global index."""
     runtime = _runtime()
     if runtime.digest != digest:
         raise GuestMismatch(_mismatch(_worker_address(), runtime.digest, digest))
     transform = runtime.transform(spec, functions)
-    return transform.map(list(records), on_error="collect", start=start, progress=False)
+    return _Outputs(transform.map(list(records), on_error="collect", progress=False))
+
+
+def _renumber(items: _Outputs, start: int) -> _Outputs:
+    """``items`` with each failure's index (and the ``record N:`` of its message) moved on
+    by ``start``: what ``Transform.map(..., start=start)`` would have given."""
+    if not start:
+        return items
+    moved = []
+    for item in items:
+        if isinstance(item, Failed):
+            # A copy: the partition's own outputs stay as they were, should dask run this
+            # step again on them.
+            error, index = copy.copy(item.error), item.index + start
+            message = str(error.args[0]) if error.args else ""
+            message = message.removeprefix(f"record {item.index}: ")
+            error.index = index
+            error.args = (f"record {index}: {message}",)
+            item = Failed(index, error)
+        moved.append(item)
+    return _Outputs(moved)
 
 
 def _offsets(*lengths: int) -> list[int]:
@@ -204,7 +254,7 @@ def _offsets(*lengths: int) -> list[int]:
     return starts
 
 
-def _first_failure(part: list[Any]) -> Failed | None:
+def _first_failure(part: _Outputs) -> Failed | None:
     return next((item for item in part if isinstance(item, Failed)), None)
 
 
@@ -212,21 +262,21 @@ def _earliest(*firsts: Failed | None) -> Failed | None:
     return next((first for first in firsts if first is not None), None)
 
 
-def _finish(items: list[Any], policy: OnError, first: Failed | None) -> list[Any]:
+def _finish(part: _Outputs, policy: OnError, first: Failed | None) -> list[Any]:
     if policy == "raise":
         if first is not None:
             raise first.error
-        return items
+        return part.items
     if policy == "skip":
-        return [item for item in items if not isinstance(item, Failed)]
-    return items
+        return [item for item in part if not isinstance(item, Failed)]
+    return part.items
 
 
-def _rows(frame: Any) -> list[dict[str, Any]]:
-    return frame.to_dict("records")
+def _rows(frame: Any) -> _Outputs:
+    return _Outputs(frame.to_dict("records"))
 
 
-def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None,
+def _frame(items: _Outputs, start: int, policy: OnError, first: Failed | None,
            columns: list[str] | None) -> Any:
     """A pandas DataFrame of one partition's output rows, indexed by global record index.
 
@@ -293,7 +343,8 @@ def _transform_parts(transform: Transform, collection: Any, on_error: OnError | 
     starts = delayed(_offsets, nout=len(parts))(*lengths)
     spec = transform.spec.to_dict()
     digest = guest_digest()
-    ran = [delayed(_run_partition, pure=True)(spec, names, digest, part, starts[i])
+    ran = [delayed(_renumber, pure=True)(
+               delayed(_run_partition, pure=True)(spec, names, digest, part), starts[i])
            for i, part in enumerate(parts)]
     return ran, [starts[i] for i in range(len(parts))], policy, frame
 
