@@ -272,6 +272,10 @@ def _finish(part: _Outputs, policy: OnError, first: Failed | None) -> list[Any]:
     return part.items
 
 
+def _box(records: Iterable[Any]) -> _Outputs:
+    return _Outputs(list(records))
+
+
 def _rows(frame: Any) -> _Outputs:
     return _Outputs(frame.to_dict("records"))
 
@@ -335,7 +339,9 @@ def _transform_parts(transform: Transform, collection: Any, on_error: OnError | 
     if frame:
         parts = [delayed(_rows)(part) for part in collection.to_delayed()]
     elif isinstance(collection, db.Bag):
-        parts = list(collection.to_delayed())
+        # Boxed first, by a task that dask keeps where the records are: whichever worker
+        # then runs the partition receives them in one piece.
+        parts = [delayed(_box)(part) for part in collection.to_delayed()]
     else:
         raise UsageError(f"expected a dask.bag.Bag or a dask.dataframe.DataFrame, not "
                          f"{type(collection).__name__}")
