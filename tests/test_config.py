@@ -80,6 +80,11 @@ def test_hash_token_is_hex_sha256() -> None:
     (tenant(mounts=[{"host": ".", "guest": "/d", "quota_files": 0}]),
      "tenants.alice.mounts[0].quota_files"),
     (tenant(http={"allow": []}), "tenants.alice.http.allow"),
+    (tenant(http={}), "tenants.alice.http.allow: list at least one host"),
+    (tenant(http={"allow_loopback_endpoints": ["127.0.0.0/8"]}),
+     "tenants.alice.http: cannot use the HttpPolicy.allow_loopback_endpoints entry"),
+    (tenant(http={"allow_loopback_endpoints": ["10.0.0.1:80"]}),
+     "tenants.alice.http: cannot use the HttpPolicy.allow_loopback_endpoints entry"),
     (tenant(http={"allow": ["a.com"], "methods": ["BREW"]}), "tenants.alice.http.methods[0]"),
     (tenant(functions={"f": "not a path"}), "tenants.alice.functions.f: 'not a path' is not"),
     (tenant(functions={"1f": "json:dumps"}), "tenants.alice.functions.1f"),
@@ -174,3 +179,17 @@ def test_a_tenants_host_functions_and_http_are_granted() -> None:
 def test_an_http_policy_the_sandbox_refuses_names_its_key() -> None:
     message = problems(tenant(http={"allow": ["http://not-a-host-entry/"]}))
     assert "tenants.alice.http: " in message
+
+
+def test_loopback_endpoints_are_an_explicit_opt_in() -> None:
+    config = parse_config(tenant(http={"allow_loopback_endpoints": ["127.0.0.1:8080",
+                                                                   "[::1]:9000"]}))
+    http = config.tenants["alice"].http
+    assert http is not None and http.allow == []
+    policy = http.to_policy()
+    assert policy.allows_loopback_endpoint("127.0.0.1", 8080)
+    assert policy.allows_loopback_endpoint("::1", 9000)
+    assert not policy.allows_loopback_endpoint("127.0.0.1", 8081)
+    assert not policy.allows("http", "127.0.0.1", 8080)  # not added to the allowlist
+    default = parse_config(tenant(http={"allow": ["api.example.com"]})).tenants["alice"].http
+    assert default is not None and default.to_policy().allow_loopback_endpoints == ()

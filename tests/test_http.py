@@ -633,3 +633,53 @@ def test_url_is_parsed_once_into_canonical_parts() -> None:
     assert (target.scheme, target.host, target.port) == ("http", "xn--bcher-kva.example", 8080)
     assert target.path == "/p/%C3%A4?q=1"
     assert target.url == "http://xn--bcher-kva.example:8080/p/%C3%A4?q=1"
+
+
+# -- opted-in loopback endpoints -----------------------------------------------------------------
+
+def test_loopback_endpoint_opt_in_allows_exactly_that_host_and_port(
+        origin: Server, canary: Server, fds: int) -> None:
+    o, c = origin.port, canary.port
+    opted = wasibox.HttpPolicy(allow=[], allow_loopback_endpoints=[f"127.0.0.1:{o}"])
+    with wasibox.Sandbox(http=opted) as sandbox:
+        r = fetch(sandbox, f"http://127.0.0.1:{o}/hello")
+        assert r.stdout == "ok 200 b'hello from the origin'\n"
+        assert [(e.target, e.allowed) for e in r.capability_log] == [
+            (f"http://127.0.0.1:{o}/hello", True)]
+        # Another port on loopback, and the same port under another loopback spelling, are
+        # still denied.
+        for url in (f"http://127.0.0.1:{c}/hello", f"http://[::1]:{o}/hello",
+                    f"http://127.0.0.2:{o}/hello", f"http://localhost:{o}/hello"):
+            assert fetch(sandbox, url).stdout == f"denied True {DENIED_MESSAGE}\n", url
+        assert_unharmed(sandbox, canary, fds)
+    # Without the opt-in, the same request is denied like any loopback address.
+    plain = wasibox.HttpPolicy(allow=[f"127.0.0.1:{o}"])
+    with wasibox.Sandbox(http=plain) as sandbox:
+        r = fetch(sandbox, f"http://127.0.0.1:{o}/hello")
+        assert r.stdout == f"denied True {DENIED_MESSAGE}\n"
+        (event,) = r.capability_log
+        assert not event.allowed and "denied address" in event.reason
+
+
+def test_loopback_endpoint_by_name_must_resolve_to_loopback(origin: Server) -> None:
+    o = origin.port
+    for answers, expected in ((["127.0.0.1"], "ok 200 b'hello from the origin'\n"),
+                              (["127.0.0.1", "10.0.0.1"], f"denied True {DENIED_MESSAGE}\n"),
+                              (["169.254.169.254"], f"denied True {DENIED_MESSAGE}\n")):
+        opted = wasibox.HttpPolicy(allow=[], allow_loopback_endpoints=[f"localhost:{o}"],
+                                   resolver=Names({"localhost": answers}))
+        with wasibox.Sandbox(http=opted) as sandbox:
+            assert fetch(sandbox, f"http://localhost:{o}/hello").stdout == expected, answers
+
+
+@pytest.mark.parametrize("entry", [
+    "127.0.0.1", "localhost", "127.0.0.1:0", "127.0.0.1:99999", "127.0.0.0/8:80",
+    "10.0.0.1:80", "169.254.169.254:80", "example.com:80", "*.localhost:80", "*:80",
+    "[::ffff:127.0.0.1]:80", "0.0.0.0:80", "localhost:80/path", "user@127.0.0.1:80",
+    "2130706433:80", "",
+])
+def test_bad_loopback_endpoints_are_usage_errors(entry: str) -> None:
+    with pytest.raises(wasibox.UsageError, match="allow_loopback_endpoints"):
+        wasibox.HttpPolicy(allow=[], allow_loopback_endpoints=[entry])
+    with pytest.raises(wasibox.UsageError, match="allow_loopback_endpoints"):
+        wasibox.HttpPolicy(allow=[], allow_loopback_endpoints=entry)  # a string, not a list

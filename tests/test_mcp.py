@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import http.server
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -18,28 +21,67 @@ pytest.importorskip("mcp", reason="the mcp package (the 'mcp' extra) is not inst
 
 from mcp import Client, StdioServerParameters  # noqa: E402
 
+from tests import mcp_functions  # noqa: E402
 from tests.conftest import PYTHON, child_env  # noqa: E402
 from wasibox._config import parse_config  # noqa: E402
 from wasibox._errors import UsageError  # noqa: E402
-from wasibox._mcp import McpPolicy, WorkspaceStore, _confine, create_mcp_server  # noqa: E402
+from wasibox._mcp import (  # noqa: E402
+    McpPolicy,
+    WorkspaceStore,
+    _confine,
+    create_mcp_server,
+    describe_functions,
+)
 
 pytestmark = pytest.mark.guest
+T = TypeVar("T")
 
 CONFIG = """\
 [tenants.agent]
 token_sha256 = "{digest}"
 limits = {{ fuel = 400_000_000, memory_bytes = "64MiB", timeout_s = 4, output_bytes = "64KiB" }}
+functions = {{ add = "tests.mcp_functions:add", greet = "tests.mcp_functions:greet" }}
 
 [tenants.agent.http]
 allow = ["example.com"]
+allow_loopback_endpoints = ["127.0.0.1:{port}"]
 """
 
 
+class Loopback(http.server.BaseHTTPRequestHandler):
+    """The loopback test service the config opts into."""
+
+    def do_GET(self) -> None:
+        body = b"hello from loopback"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+@pytest.fixture(scope="module")
+def loopback_port() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loopback)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield int(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.fixture
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, loopback_port: int) -> Path:
     path = tmp_path / "wasibox.toml"
-    path.write_text(CONFIG.format(digest="0" * 64), encoding="utf-8")
+    path.write_text(CONFIG.format(digest="0" * 64, port=loopback_port), encoding="utf-8")
     return path
+
+
+def fetch_code(port: int) -> str:
+    return ("import urllib.request\n"
+            f"print(urllib.request.urlopen('http://127.0.0.1:{port}/data').read())")
 
 
 def text(result: Any) -> str:
@@ -47,16 +89,36 @@ def text(result: Any) -> str:
     return str(result.content[0].text)
 
 
-async def core_cases(client: Client) -> None:
+async def core_cases(client: Client, loopback_port: int) -> None:
     """The behaviour every transport must show, on one connected client."""
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
-    assert set(tools) >= {"run_python", "write_file", "read_file", "list_files"}
+    assert set(tools) == {"run_python", "write_file", "read_file", "list_files",
+                          "call_function"}
     run = tools["run_python"]
     assert run.input_schema["required"] == ["code"]
     assert run.input_schema["properties"]["code"]["type"] == "string"
     assert "timeout_s" in run.input_schema["properties"]
     assert "FRESH interpreter" in (run.description or "")
     assert set(tools["write_file"].input_schema["required"]) == {"path", "content"}
+
+    call = tools["call_function"]
+    assert call.input_schema["required"] == ["name"]
+    assert call.input_schema["properties"]["name"]["enum"] == ["add", "greet"]
+    assert "array" in str(call.input_schema["properties"]["args"])
+    assert "object" in str(call.input_schema["properties"]["kwargs"])
+    assert "- add(a: int, b: int) -> int: Add two integers.\n" in (call.description or "")
+    assert "not part of the summary" not in (call.description or "")
+
+    # A configured host function, called directly, and an unknown one.
+    result = await client.call_tool("call_function", {"name": "add", "args": [2, 3]})
+    assert not result.is_error and "result (JSON):\n5\n" in text(result)
+    result = await client.call_tool("call_function", {"name": "nope", "args": []})
+    assert result.is_error
+    assert "no function 'nope'" in text(result) and "you can call are: add, greet" in text(result)
+
+    # The loopback service the config opts into is reachable from code.
+    report = text(await client.call_tool("run_python", {"code": fetch_code(loopback_port)}))
+    assert "status: ok" in report and "b'hello from loopback'" in report
 
     # A computation.
     result = await client.call_tool("run_python", {"code": "print(sum(range(101)))"})
@@ -71,9 +133,10 @@ async def core_cases(client: Client) -> None:
     assert "traceback:" in report and "line 2, in f" in report
     assert "wasibox/" not in report
 
-    # A limit, in plain words.
+    # A limit, in plain words, with its name.
     result = await client.call_tool("run_python", {"code": "while True: pass"})
     assert "the run used all of its CPU budget (fuel) after" in text(result)
+    assert "\nlimit exceeded: fuel\n" in text(result)
 
     # A timeout above the policy is clamped, and the result says so.
     result = await client.call_tool("run_python", {"code": "print('hi')", "timeout_s": 999})
@@ -139,14 +202,14 @@ def workspaces(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("wasibox-mcp-*/session-*"))
 
 
-def test_stdio(config: Path, tmp_path: Path) -> None:
+def test_stdio(config: Path, tmp_path: Path, loopback_port: int) -> None:
     params = StdioServerParameters(
         command=PYTHON, args=["-m", "wasibox", "mcp", "--config", str(config)],
         env=server_env(tmp_path / "tmp"))
 
     async def main() -> None:
         async with Client(params, read_timeout_seconds=60) as client:
-            await core_cases(client)
+            await core_cases(client, loopback_port)
             assert len(workspaces(tmp_path / "tmp")) == 1
 
     asyncio.run(main())
@@ -195,10 +258,10 @@ async def http_client(url: str) -> AsyncIterator[Client]:
         yield client
 
 
-def test_streamable_http(config: Path, tmp_path: Path) -> None:
+def test_streamable_http(config: Path, tmp_path: Path, loopback_port: int) -> None:
     async def main(url: str) -> None:
         async with http_client(url) as client:
-            await core_cases(client)
+            await core_cases(client, loopback_port)
 
     with http_server(config, tmp_path / "tmp") as url:
         asyncio.run(main(url))
@@ -260,16 +323,24 @@ def test_confine_refuses_symlinks(tmp_path: Path) -> None:
 
 
 def test_workspaces_are_deleted_when_idle_or_closed() -> None:
-    store = WorkspaceStore(idle_timeout_s=0.0)
-    first = store.get("one")
-    (first / "f").write_text("x")
-    time.sleep(0.01)
-    second = store.get("two")  # sweeps "one", idle past the timeout
-    assert not first.exists() and second.exists() and second != first
-    store.drop("two")
-    assert not second.exists()
-    store.close()
-    assert not store.root.exists()
+    store = WorkspaceStore(idle_timeout_s=0.2)
+    try:
+        first, renewed = store.acquire("one", hold=True)  # held: not idle while written
+        (first / "f").write_text("x")
+        store.release("one")
+        assert not renewed
+        second = store.get("two")
+        # Nothing calls in: the store's own sweep deletes both once they are idle.
+        assert wait_for(lambda: not first.exists() and not second.exists())
+        third, renewed = store.acquire("one")
+        assert renewed and third.exists() and third not in (first, second)
+        assert store.acquire("one") == (third, False)
+        store.drop("one")
+        assert not third.exists()
+    finally:
+        store.close()
+    assert not store.root.exists() and not store._sweeper.is_alive()
+    store.close()  # idempotent
 
 
 def test_long_runs_report_progress() -> None:
@@ -295,3 +366,270 @@ def test_long_runs_report_progress() -> None:
         store.close()
     assert "the run hit its wall-clock time limit of 1.6 s" in report
     assert seen and seen[0][1] == 1.6 and "running for" in (seen[0][2] or "")
+
+
+# -- in-process: the policy's limits, host functions, loopback, idle cleanup -------------------
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def agent_policy(**tenant: Any) -> McpPolicy:
+    return McpPolicy.from_config(parse_config(
+        {"tenants": {"agent": {"token_sha256": "0" * 64, **tenant}}}))
+
+
+def in_process(policy: McpPolicy, main: Callable[[Client], Awaitable[T]],
+               store: WorkspaceStore | None = None) -> T:
+    """Run ``main`` with the SDK's client connected to the server in memory.
+
+    The transports are covered above; these tests check what the tools do, and save a process.
+    """
+    store = store or WorkspaceStore()
+    server = create_mcp_server(policy, store, transport="stdio")
+
+    async def run() -> T:
+        async with Client(server) as client:
+            return await main(client)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        store.close()
+
+
+FUNCTIONS = {name: f"tests.mcp_functions:{name}"
+             for name in ("add", "greet", "fail", "repeat", "nap", "raw")}
+
+LIMIT_CASES = [
+    ("fuel", {"code": "while True: pass"},
+     "the run used all of its CPU budget (fuel) after"),
+    ("timeout", {"code": "import time\ntime.sleep(60)", "timeout_s": 0.5},
+     "the run hit its wall-clock time limit of 0.5 s"),
+    ("memory", {"code": "x = bytearray(200 * 2**20)"},
+     "the run hit its memory limit of 64 MiB"),
+    ("output", {"code": "print('x' * 10_000)"},
+     "the run wrote more than its output limit of 4096 bytes and was stopped"),
+    # host_calls: the number of calls, one call's argument, one call's result.
+    ("host_calls", {"code": "import host\nfor _ in range(10):\n    host.add(1, 2)"},
+     "the run went past its host-call limits (at most 3 calls, 16384 bytes per call"),
+    ("host_calls", {"code": "import host\nhost.repeat('x' * 20_000, 1)"},
+     "the run went past its host-call limits (at most 3 calls, 16384 bytes per call"),
+    ("host_calls", {"code": "import host\nhost.repeat('x', 20_000)"},
+     "the run went past its host-call limits (at most 3 calls, 16384 bytes per call"),
+]
+
+
+def test_each_limit_is_reported_in_plain_words_with_its_name() -> None:
+    policy = agent_policy(
+        limits={"fuel": 50_000_000, "memory_bytes": "64MiB", "timeout_s": 2,
+                "output_bytes": "4KiB", "host_calls": 3, "host_call_bytes": "16KiB"},
+        functions=FUNCTIONS)
+
+    async def main(client: Client) -> None:
+        for limit, arguments, words in LIMIT_CASES:
+            report = text(await client.call_tool("run_python", arguments))
+            assert f"status: stopped: {words}" in report, (limit, report)
+            assert f"\nlimit exceeded: {limit}\n" in report, (limit, report)
+            assert "Traceback" not in report.split("traceback:")[0], report
+        # Within the limits, the same calls work: the limits above were what stopped them.
+        report = text(await client.call_tool(
+            "run_python", {"code": "import host\nprint(host.add(1, 2))"}))
+        assert "status: ok" in report and "\n3\n" in report
+        # A timeout_s above the policy is clamped to it, and the result says so.
+        report = text(await client.call_tool(
+            "run_python", {"code": "import time\ntime.sleep(60)", "timeout_s": 999}))
+        assert "note: timeout_s=999 is above this server's limit; the run used 2 s" in report
+        assert "the run hit its wall-clock time limit of 2 s" in report
+        assert "\nlimit exceeded: timeout\n" in report
+
+    in_process(policy, main)
+
+
+def test_call_function_runs_configured_functions_under_the_host_call_policy() -> None:
+    policy = agent_policy(limits={"timeout_s": 1, "host_call_bytes": "16KiB"},
+                          functions=FUNCTIONS)
+
+    async def call(client: Client, arguments: dict[str, Any]) -> tuple[bool, str]:
+        result = await client.call_tool("call_function", arguments)
+        return bool(result.is_error), text(result)
+
+    async def main(client: Client) -> None:
+        ok = await call(client, {"name": "greet", "args": ["Ada"], "kwargs": {"excited": True}})
+        assert ok == (False, ok[1]) and 'result (JSON):\n{"greeting": "Hello, Ada!"}' in ok[1]
+        assert "result (JSON):\n{\"base64\": \"AAAA\"}" in (
+            await call(client, {"name": "raw", "args": [3]}))[1]
+
+        failed, report = await call(client, {"name": "fail", "args": ["secrets"]})
+        assert failed and report.endswith("the function 'fail' raised ValueError: cannot "
+                                          "open <path>: secrets")
+        failed, report = await call(client, {"name": "add", "args": ["a", 1]})
+        assert failed and "the function 'add' raised TypeError" in report
+        # Unknown names, and the name the guest's HTTP client uses, are refused.
+        for name in ("nope", "@http", "__import__"):
+            failed, report = await call(client, {"name": name})
+            assert failed and f"there is no function {name!r}" in report, report
+            assert "add, fail, greet, nap, raw, repeat" in report
+
+        # The payload caps: the arguments, then the result.
+        failed, report = await call(client, {"name": "repeat", "args": ["x" * 20_000, 1]})
+        assert failed and "its arguments are 20007 bytes once encoded, more than this " \
+            "server's limit of 16384 bytes per host call (host_call_bytes)" in report
+        assert report.endswith("\nlimit exceeded: host_calls")
+        failed, report = await call(client, {"name": "repeat", "args": ["x", 20_000]})
+        assert failed and "its result is larger than this server's limit of 16384 bytes" \
+            in report and report.endswith("\nlimit exceeded: host_calls")
+        # A function still running at the policy's timeout is abandoned.
+        failed, report = await call(client, {"name": "nap", "args": [30]})
+        assert failed and report.endswith(
+            "the function 'nap' was still running after 1 s, this server's time limit, and "
+            "its result was abandoned\nlimit exceeded: timeout")
+
+        # Malformed arguments are clean tool errors.
+        for arguments in ({"args": [1, 2]}, {"name": "add", "args": "1, 2"},
+                          {"name": "add", "kwargs": [1]}, {"name": 5},
+                          {"name": "add", "args": [2**70, 1]}):
+            failed, report = await call(client, arguments)
+            assert failed and "Traceback" not in report, arguments
+        assert (await call(client, {"name": "add", "args": [2**70, 1]}))[1].endswith(
+            "integers are limited to 64 bits")
+        # ... and the server still answers.
+        assert "result (JSON):\n3\n" in (await call(client, {"name": "add",
+                                                              "kwargs": {"a": 1, "b": 2}}))[1]
+
+    in_process(policy, main)
+
+
+def test_call_function_is_listed_only_when_functions_are_configured() -> None:
+    async def names(client: Client) -> set[str]:
+        return {tool.name for tool in (await client.list_tools()).tools}
+
+    assert in_process(agent_policy(), names) == {
+        "run_python", "write_file", "read_file", "list_files"}
+    assert "call_function" in in_process(agent_policy(functions={"add": FUNCTIONS["add"]}),
+                                         names)
+
+
+def test_describe_functions_for_a_model() -> None:
+    import math
+
+    description = describe_functions({"add": mcp_functions.add, "hypot": math.hypot,
+                                      "nodoc": lambda x: x})
+    assert description.splitlines() == [
+        "- add(a: int, b: int) -> int: Add two integers.",
+        "- hypot(...): " + " ".join((math.hypot.__doc__ or "").split("\n\n")[0].split()),
+        "- nodoc(x): (no description)",
+    ]
+    many = describe_functions({f"f{i:03d}": mcp_functions.add for i in range(60)})
+    assert many.splitlines()[-1].startswith("- also: f050, f051")
+
+
+def test_loopback_service_is_reachable_only_with_the_opt_in(loopback_port: int) -> None:
+    code = fetch_code(loopback_port)
+
+    async def run(client: Client) -> str:
+        return text(await client.call_tool("run_python", {"code": code}))
+
+    opted_in = in_process(agent_policy(http={
+        "allow": ["example.com"], "allow_loopback_endpoints": [f"127.0.0.1:{loopback_port}"]}),
+        run)
+    assert "status: ok" in opted_in and "b'hello from loopback'" in opted_in
+    for http_table in ({"allow": ["example.com"]}, {"allow": [f"127.0.0.1:{loopback_port}"]}):
+        denied = in_process(agent_policy(http=http_table), run)
+        assert "status: error: CapabilityDenied" in denied, denied
+        assert f"denied: http GET http://127.0.0.1:{loopback_port}/data" in denied
+
+
+def test_idle_workspace_is_deleted_without_another_call() -> None:
+    store = WorkspaceStore(idle_timeout_s=0.5)
+
+    async def main(client: Client) -> None:
+        assert not (await client.call_tool("write_file", {"path": "a.txt",
+                                                          "content": "x"})).is_error
+        workspace = store.root / "session-1"  # the first session's (maybe already swept)
+        assert await asyncio.to_thread(wait_for, lambda: not workspace.exists())
+        report = text(await client.call_tool("run_python", {"code": "import os\n"
+                                                            "print(os.listdir('/workspace'))"}))
+        assert "note: this session's workspace was deleted after 0.5 s without a call" in report
+        assert "\n[]\n" in report
+        assert text(await client.call_tool("list_files", {})) == "(the workspace is empty)"
+
+    in_process(agent_policy(), main, store)
+
+
+def test_a_workspace_in_use_by_a_run_is_not_idle() -> None:
+    store = WorkspaceStore(idle_timeout_s=0.2)
+    code = ("import time\nopen('/workspace/before.txt', 'w').write('1')\n"
+            "time.sleep(1.0)\nopen('/workspace/after.txt', 'w').write('2')")
+
+    async def main(client: Client) -> None:
+        # The run outlives the idle timeout several times over; its workspace must stay, or
+        # the run could not publish what it wrote.
+        report = text(await client.call_tool("run_python", {"code": code}))
+        assert "status: ok" in report, report
+        assert "files written: /workspace/after.txt, /workspace/before.txt" in report \
+            or "files written: /workspace/before.txt, /workspace/after.txt" in report, report
+
+    in_process(agent_policy(clock="real"), main, store)
+
+
+def test_readme_policy_and_client_registration_are_valid() -> None:
+    import json
+    import re
+    import tomllib
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    (policy_text,) = [block for block in re.findall(r"```toml\n(.*?)```", readme, re.DOTALL)
+                      if block.startswith("# agent.toml")]
+    tenant = parse_config(tomllib.loads(policy_text)).tenants["agent"]
+    assert set(tenant.functions) == {"lookup"}
+    assert tenant.http is not None and tenant.http.allow_loopback_endpoints == ["127.0.0.1:8000"]
+    (registration,) = [json.loads(block) for block in
+                       re.findall(r"```json\n(.*?)```", readme, re.DOTALL)
+                       if "mcpServers" in block]
+    entry = registration["mcpServers"]["wasibox"]
+    assert entry["command"] == "wasibox" and entry["args"][:1] == ["mcp"]
+
+
+def test_a_cancelled_tool_call_stops_its_run() -> None:
+    ticks: list[float] = []
+    config = parse_config({"tenants": {"agent": {
+        "token_sha256": "0" * 64, "clock": "real", "limits": {"fuel": 10**13, "timeout_s": 60}}}})
+    policy = dataclasses.replace(McpPolicy.from_config(config),
+                                 functions={"tick": lambda: ticks.append(time.monotonic())})
+    code = "import host, time\nwhile True:\n    host.tick()\n    time.sleep(0.05)"
+
+    async def main(client: Client) -> None:
+        call = asyncio.ensure_future(client.call_tool("run_python", {"code": code}))
+        assert await asyncio.to_thread(wait_for, lambda: len(ticks) >= 3)
+        call.cancel()  # the client cancels the request (notifications/cancelled)
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+
+        # The run stops: the guest makes no more calls (within the 60 s it was allowed).
+        def quiet() -> bool:
+            seen = len(ticks)
+            time.sleep(0.5)
+            return len(ticks) == seen
+
+        assert await asyncio.to_thread(wait_for, quiet)
+        result = await client.call_tool("run_python", {"code": "print('next')"})
+        assert "\nnext" in text(result)
+
+    in_process(policy, main)
+
+
+def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
+    from wasibox._cli import main
+
+    with pytest.raises(SystemExit):
+        main(["mcp", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    for tool in ("run_python", "write_file", "read_file", "list_files", "call_function"):
+        assert tool in usage
+    assert "--idle-timeout" in usage

@@ -136,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                     "file (limits, mounts, HTTP allowlist, host functions); tool arguments\n"
                     "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
                     "deleted when the session ends or sits idle; every run_python is a fresh\n"
-                    "interpreter. Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
+                    "interpreter. When the tenant lists host functions, a call_function\n"
+                    "tool calls them with JSON arguments under the same host-call limits.\n"
+                    "Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
         epilog="examples:\n  wasibox mcp --config wasibox.toml                  # stdio\n"
                "  wasibox mcp --config wasibox.toml --transport http --port 8765\n"
                "The HTTP transport has no authentication: keep it on a loopback address.",

@@ -24,6 +24,7 @@ Example::
 
     [tenants.alice.http]
     allow = ["api.example.com"]
+    allow_loopback_endpoints = ["127.0.0.1:8080"]   # exact loopback services, opt-in only
 
 Tokens are stored only as SHA-256 digests: tokens are meant to be long random strings (a
 password-hashing function buys nothing for those), and a leaked config file then leaks no
@@ -165,15 +166,32 @@ class MountConfig(_Strict):
 
 
 class HttpConfig(_Strict):
-    """Mediated HTTP for the tenant's guests: deny by default, allow these host[:port]s."""
+    """Mediated HTTP for the tenant's guests: deny by default, allow these host[:port]s.
 
-    allow: list[Annotated[str, Field(min_length=1, max_length=300)]] = Field(min_length=1)
+    ``allow_loopback_endpoints`` opts in exact services on the host's own loopback
+    interface (``"127.0.0.1:8080"``, ``"[::1]:8080"``, ``"localhost:8080"``), which are
+    otherwise denied like every internal address; no ranges, no wildcards, the port is
+    required.
+    """
+
+    # Declared before `allow`, so that `allow`'s validator can see it.
+    allow_loopback_endpoints: list[Annotated[str, Field(min_length=1, max_length=300)]] = []
+    allow: list[Annotated[str, Field(min_length=1, max_length=300)]] = Field(
+        default=[], validate_default=True)
     methods: list[Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]] = ["GET", "HEAD"]
     max_response_bytes: Size = 10 * 2**20
     timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     max_redirects: int = Field(default=3, ge=0, le=20)
     max_header_count: int = Field(default=100, gt=0)
     max_header_bytes: Size = 64 * 2**10
+
+    @pydantic.field_validator("allow", mode="after")
+    @classmethod
+    def _something_allowed(cls, allow: list[str], info: pydantic.ValidationInfo) -> list[str]:
+        if not allow and not info.data.get("allow_loopback_endpoints"):
+            raise ValueError("list at least one host to allow (or an allow_loopback_endpoints "
+                             "entry); omit the http table to deny all network access")
+        return allow
 
     @pydantic.model_validator(mode="after")
     def _valid_policy(self) -> HttpConfig:
@@ -187,7 +205,8 @@ class HttpConfig(_Strict):
                               max_response_bytes=self.max_response_bytes,
                               timeout_s=self.timeout_s, max_redirects=self.max_redirects,
                               max_header_count=self.max_header_count,
-                              max_header_bytes=self.max_header_bytes)
+                              max_header_bytes=self.max_header_bytes,
+                              allow_loopback_endpoints=self.allow_loopback_endpoints)
         except UsageError as exc:
             raise ValueError(str(exc)) from None
 

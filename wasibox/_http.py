@@ -171,6 +171,11 @@ class HttpPolicy:
     ``ssl_context`` verifies https servers (default: httpx's, with certifi's CA bundle); the
     certificate is always checked against the *name* in the URL, never the address.
 
+    ``allow_loopback_endpoints`` opts in exact services on this machine, each a
+    ``host:port`` whose host is a loopback address (``127.0.0.1``, ``[::1]``) or
+    ``localhost``: requests to exactly that host and port are allowed (they need no ``allow``
+    entry), every other loopback port stays denied, and no range or wildcard is accepted.
+
     For tests only: ``resolver`` replaces DNS (a callable from a name to address strings),
     and ``allow_loopback`` names allowlisted *names* that may resolve to loopback (literal
     loopback addresses stay denied).
@@ -188,9 +193,12 @@ class HttpPolicy:
     resolver: Callable[[str], Sequence[str]] | None = dataclasses.field(
         default=None, repr=False, compare=False)
     allow_loopback: Sequence[str] = ()
+    allow_loopback_endpoints: Sequence[str] = ()
     ssl_context: ssl.SSLContext | None = dataclasses.field(default=None, repr=False,
                                                            compare=False)
     _rules: tuple[_Rule, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _endpoints: frozenset[tuple[str, int]] = dataclasses.field(init=False, repr=False,
+                                                               compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.allow, str) or not isinstance(self.allow, Sequence):
@@ -222,6 +230,16 @@ class HttpPolicy:
             raise UsageError("HttpPolicy.allow_loopback must be a list of names")
         object.__setattr__(self, "allow_loopback",
                            tuple(_canonical_name(name) for name in self.allow_loopback))
+        if isinstance(self.allow_loopback_endpoints, str):
+            raise UsageError("HttpPolicy.allow_loopback_endpoints must be a list of "
+                             "'host:port' entries")
+        object.__setattr__(self, "allow_loopback_endpoints", tuple(self.allow_loopback_endpoints))
+        object.__setattr__(self, "_endpoints", frozenset(
+            _parse_loopback_endpoint(entry) for entry in self.allow_loopback_endpoints))
+
+    def allows_loopback_endpoint(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` (canonical) is an opted-in loopback endpoint."""
+        return (host, port) in self._endpoints
 
     def allows(self, scheme: str, host: str, port: int) -> bool:
         """Whether ``host:port`` (canonical) is on the allowlist for ``scheme``."""
@@ -244,6 +262,30 @@ def _parse_rule(entry: object) -> _Rule:
         raise UsageError(f"cannot understand the HttpPolicy.allow entry {entry!r}: use "
                          "'host', 'host:port', '*.domain' or '*.domain:port'") from None
     return _Rule(host, wildcard, port)
+
+
+def _parse_loopback_endpoint(entry: object) -> tuple[str, int]:
+    """``(host, port)`` of an ``allow_loopback_endpoints`` entry. Raises UsageError."""
+    problem = (f"cannot use the HttpPolicy.allow_loopback_endpoints entry {entry!r}: give one "
+               "exact 'host:port' whose host is a loopback address (127.0.0.1, [::1]) or "
+               "localhost, such as '127.0.0.1:8080'")
+    if not isinstance(entry, str) or not entry:
+        raise UsageError(problem)
+    try:
+        parts = urllib.parse.urlsplit("//" + entry)
+        port = parts.port
+        host = _canonical_host(parts.hostname or "")
+        if parts.username is not None or parts.path or parts.query or parts.fragment:
+            raise ValueError(entry)
+    except (ValueError, _Denied):
+        raise UsageError(problem) from None
+    if port is None or port == 0:
+        raise UsageError(problem)
+    address = _ip_literal(host)
+    if host != "localhost" and not (
+            address is not None and any(address in network for network in _LOOPBACK_NETWORKS)):
+        raise UsageError(problem)
+    return host, port
 
 
 class _Denied(Exception):
@@ -499,11 +541,14 @@ class HttpGate:
         policy = self.policy
         if target.host in _METADATA_NAMES or target.host.endswith(".internal"):
             raise _Denied("cloud metadata name")
-        if not policy.allows(target.scheme, target.host, target.port):
+        # An opted-in loopback endpoint: this exact host and port may reach loopback.
+        endpoint = policy.allows_loopback_endpoint(target.host, target.port)
+        if not endpoint and not policy.allows(target.scheme, target.host, target.port):
             raise _Denied("not on the allowlist")
         if target.address is not None:
             addresses: list[IPAddress] = [target.address]
-            loopback_ok = False  # only names may be opted in to loopback
+            # Only an opted-in endpoint (never a name from `allow_loopback`) may be a literal.
+            loopback_ok = endpoint
         else:
             try:
                 answers = list(self._resolve(target.host))
@@ -517,7 +562,7 @@ class HttpGate:
                     raise _Denied("resolver returned something that is not an address") from None
             if not addresses:
                 raise _Denied("name did not resolve")
-            loopback_ok = target.host in policy.allow_loopback
+            loopback_ok = endpoint or target.host in policy.allow_loopback
         for address in addresses:
             if not address_allowed(address, loopback_ok=loopback_ok):
                 raise _Denied(f"resolves to a denied address ({address})")

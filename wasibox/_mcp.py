@@ -12,12 +12,25 @@ session is the transport's session id (``Mcp-Session-Id``); a request that has n
 stateless 2026 protocol) runs code in a throw-away workspace, and the file tools say they need
 a session. Workspaces are deleted when their session ends, after ``idle_timeout_s`` without a
 call, and when the server stops.
+
+Host functions. When the policy configures ``functions``, a ``call_function`` tool lets the
+model call them directly with JSON arguments. Each call goes through the same host-call
+channel as a call from guest code (``wasibox._hostcall.HostCalls``): unknown names are
+refused, the arguments and the result are each capped at ``host_call_bytes`` (and together
+at ``host_total_bytes``), and a function still running at the policy's ``timeout_s`` is
+abandoned. One ``call_function`` is one call, as if a run made one host call; the
+``host_calls`` count limit applies to the calls code makes within one ``run_python``. With no
+functions configured the tool is not listed at all, so a model never sees a tool it cannot
+use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import inspect
+import json
 import os
 import shutil
 import signal
@@ -29,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
+import msgpack
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
@@ -36,12 +50,14 @@ from pydantic import Field
 from ._config import Config, TenantConfig, load_config
 from ._errors import ConfigError, UsageError, WasiboxError
 from ._files import STAGING_DIR, Mount
-from ._limits import Limits
+from ._hostcall import HostCalls, StopRun, host_error_message
+from ._limits import Limit, Limits
 from ._result import RunResult
 from ._sandbox import Sandbox
 from ._version import __version__
 
-__all__ = ["McpPolicy", "WorkspaceStore", "create_mcp_server", "describe_result", "serve_mcp"]
+__all__ = ["McpPolicy", "WorkspaceStore", "call_host_function", "create_mcp_server",
+           "describe_functions", "describe_result", "serve_mcp"]
 
 #: Characters of stdout (and of stderr) a tool result carries before it is cut with a marker.
 TEXT_LIMIT = 20_000
@@ -52,6 +68,8 @@ LIST_LIMIT = 1_000
 #: A workspace not touched for this long is deleted (seconds).
 IDLE_TIMEOUT_S = 30 * 60.0
 WORKSPACE = "/workspace"
+#: Longest wait between two sweeps for idle workspaces (seconds).
+SWEEP_INTERVAL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,28 +106,65 @@ class McpPolicy:
 
 
 class WorkspaceStore:
-    """One directory per session under a private temporary root; idle ones are deleted."""
+    """One directory per session under a private temporary root; idle ones are deleted.
+
+    A daemon thread sweeps for idle workspaces, so one is deleted on time even when no other
+    call comes in; ``close`` stops it and deletes everything.
+    """
 
     def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="wasibox-mcp-"))
         self.idle_timeout_s = idle_timeout_s
         self._dirs: dict[str, tuple[Path, float]] = {}
+        self._expired: set[str] = set()
+        self._busy: dict[str, int] = {}  # runs using a session's workspace right now
         self._lock = threading.Lock()
         self._count = 0
+        self._closed = threading.Event()
+        interval = min(max(idle_timeout_s / 4, 0.05), SWEEP_INTERVAL_S)
+        self._sweeper = threading.Thread(target=self._sweep_until_closed, args=(interval,),
+                                         name="wasibox-mcp-sweeper", daemon=True)
+        self._sweeper.start()
+
+    def _sweep_until_closed(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            self.sweep()
 
     def get(self, key: str) -> Path:
         """The workspace of session ``key``, made on first use; marks it used now."""
+        return self.acquire(key)[0]
+
+    def acquire(self, key: str, *, hold: bool = False) -> tuple[Path, bool]:
+        """Like ``get``; the flag says the session's old workspace was deleted as idle.
+
+        With ``hold``, the workspace is in use (never idle) until ``release(key)``.
+        """
         self.sweep()
         with self._lock:
+            if hold:
+                self._busy[key] = self._busy.get(key, 0) + 1
             entry = self._dirs.get(key)
+            renewed = False
             if entry is None:
                 self._count += 1
                 path = self.root / f"session-{self._count}"
                 path.mkdir(mode=0o700)
+                renewed = key in self._expired
+                self._expired.discard(key)
             else:
                 path = entry[0]
             self._dirs[key] = (path, time.monotonic())
-            return path
+            return path, renewed
+
+    def release(self, key: str) -> None:
+        """End a ``hold``: the workspace counts as used now, and can become idle again."""
+        with self._lock:
+            left = self._busy.pop(key, 0) - 1
+            if left > 0:
+                self._busy[key] = left
+            entry = self._dirs.get(key)
+            if entry is not None:
+                self._dirs[key] = (entry[0], time.monotonic())
 
     def ephemeral(self) -> Path:
         """A workspace for one call outside any session (delete it with ``discard``)."""
@@ -122,6 +177,7 @@ class WorkspaceStore:
         """Delete the workspace of a session that ended."""
         with self._lock:
             entry = self._dirs.pop(key, None)
+            self._expired.discard(key)
         if entry is not None:
             shutil.rmtree(entry[0], ignore_errors=True)
 
@@ -129,12 +185,19 @@ class WorkspaceStore:
         """Delete the workspaces idle for longer than the timeout."""
         now = time.monotonic()
         with self._lock:
-            idle = [k for k, (_, used) in self._dirs.items()
-                    if now - used > self.idle_timeout_s]
-        for key in idle:
-            self.drop(key)
+            idle = [(key, path) for key, (path, used) in self._dirs.items()
+                    if now - used > self.idle_timeout_s and key not in self._busy]
+            for key, _ in idle:
+                del self._dirs[key]
+                self._expired.add(key)
+        for _, path in idle:
+            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
+        """Stop sweeping and delete every workspace (idempotent)."""
+        self._closed.set()
+        if self._sweeper is not threading.current_thread():
+            self._sweeper.join()
         with self._lock:
             self._dirs.clear()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -163,8 +226,9 @@ def _limit_words(result: RunResult, limits: Limits) -> str:
             return (f"the run wrote more than its output limit of {limits.output_bytes} bytes "
                     f"and was stopped {after}")
         case "host_calls":
-            return (f"the run made more host calls (or moved more bytes through them) than "
-                    f"its policy allows {after}")
+            return (f"the run went past its host-call limits (at most {limits.host_calls} "
+                    f"calls, {limits.host_call_bytes} bytes per call and "
+                    f"{limits.host_total_bytes} bytes in all) and was stopped {after}")
         case "cancelled":
             return "the run was cancelled"
         case other:
@@ -178,6 +242,7 @@ def describe_result(result: RunResult, limits: Limits, notes: list[str]) -> str:
         lines.append("status: ok")
     elif result.limit_exceeded is not None:
         lines.append(f"status: stopped: {_limit_words(result, limits)}")
+        lines.append(f"limit exceeded: {result.limit_exceeded}")
     elif result.error is not None:
         lines.append(f"status: error: {result.error.type}: {result.error.message}")
     else:
@@ -306,6 +371,112 @@ TIMEOUT_DESCRIPTION = ("wall-clock limit for this run in seconds; values above t
                        "limit are lowered to it (the result says so)")
 
 
+CALL_FUNCTION_DESCRIPTION = """\
+Call a function that the operator of this server provides, by name, with JSON arguments, and \
+get its return value back as JSON. The function runs on the host, outside the sandbox, under \
+the same policy as a call from sandboxed code: only the functions listed below exist, the \
+arguments and the result are each limited to {call_bytes} bytes once encoded, and a call still \
+running after {timeout:g} s is abandoned. Code in run_python can call the same functions \
+(`import host; host.NAME(...)`). Bytes in a result are shown as {{"base64": "..."}}.
+
+Functions:
+{functions}"""
+
+#: Characters of one function's summary in the call_function description.
+SUMMARY_LIMIT = 300
+#: Functions the call_function description lists by signature (the rest by name).
+LISTED_FUNCTIONS = 50
+
+
+def describe_functions(functions: dict[str, Callable[..., Any]]) -> str:
+    """One line per function for a model: its name, signature and docstring summary."""
+    lines: list[str] = []
+    for name in sorted(functions)[:LISTED_FUNCTIONS]:
+        function = functions[name]
+        try:
+            signature = str(inspect.signature(function, eval_str=True))
+        except Exception:  # noqa: BLE001 - unresolvable annotations, builtins
+            try:
+                signature = str(inspect.signature(function))
+            except (TypeError, ValueError):
+                signature = "(...)"
+        doc = (inspect.getdoc(function) or "").strip()
+        summary = " ".join(doc.split("\n\n", 1)[0].split()) if doc else "(no description)"
+        if len(summary) > SUMMARY_LIMIT:
+            summary = summary[:SUMMARY_LIMIT] + "..."
+        lines.append(f"- {name}{signature}: {summary}")
+    rest = sorted(functions)[LISTED_FUNCTIONS:]
+    if rest:
+        lines.append("- also: " + ", ".join(rest))
+    return "\n".join(lines)
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode("ascii")}
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _as_json(value: object) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, default=_jsonable)
+    except (TypeError, ValueError):
+        return repr(value)  # a map with keys JSON cannot carry (bytes, lists)
+
+
+def call_host_function(policy: McpPolicy, name: str, args: list[Any],
+                       kwargs: dict[str, Any], cancel: threading.Event) -> str:
+    """Call host function ``name`` through the host-call channel; the report for a model.
+
+    Blocks until the function returns, the policy's timeout passes or ``cancel`` is set.
+    Raises ToolError, in plain words, when the call does not produce a value.
+    """
+    limits = policy.limits
+    available = ", ".join(sorted(policy.functions)) or "(none)"
+    try:
+        payload = msgpack.packb([args, kwargs], use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ToolError(f"the arguments cannot be passed to a host function ({exc}); "
+                        "integers are limited to 64 bits") from None
+    calls = HostCalls(functions=policy.functions, limits=limits, http=None, cancel=cancel)
+    started = time.monotonic()
+    try:
+        reply = calls.handle(name, payload.decode("latin-1"), started + limits.timeout_s)
+    except StopRun as stop:
+        if stop.limit is Limit.TIMEOUT:
+            raise ToolError(f"the function {name!r} was still running after "
+                            f"{limits.timeout_s:g} s, this server's time limit, and its "
+                            f"result was abandoned\nlimit exceeded: {Limit.TIMEOUT}") from None
+        if len(payload) > limits.host_call_bytes:
+            words = (f"its arguments are {len(payload)} bytes once encoded, more than this "
+                     f"server's limit of {limits.host_call_bytes} bytes per host call "
+                     "(host_call_bytes)")
+        elif len(payload) > limits.host_total_bytes:
+            words = (f"its arguments are {len(payload)} bytes once encoded, more than this "
+                     f"server's limit of {limits.host_total_bytes} bytes per run "
+                     "(host_total_bytes)")
+        else:
+            words = (f"its result is larger than this server's limit of "
+                     f"{limits.host_call_bytes} bytes per host call (host_call_bytes) or "
+                     f"{limits.host_total_bytes} bytes in all (host_total_bytes)")
+        raise ToolError(f"the call to {name!r} was stopped: {words}\n"
+                        f"limit exceeded: {stop.limit}") from None
+    # Arrays as tuples, so that a map keyed by a tuple decodes (JSON shows them as arrays).
+    decoded = msgpack.unpackb(reply.payload.encode("latin-1"), raw=False,
+                              strict_map_key=False, use_list=False)
+    if not reply.ok:
+        kind, kind_type = decoded.get("kind"), decoded.get("type")
+        if kind == "denied":
+            raise ToolError(f"there is no function {name!r} on this server (the policy "
+                            f"refuses it); the functions you can call are: {available}")
+        if kind == "error":
+            raise ToolError(f"the function {name!r} raised {kind_type}: "
+                            f"{decoded.get('message')}")
+        raise ToolError(f"the call to {name!r} failed: {decoded.get('message')}")
+    return (f"status: ok\nresult (JSON):\n{_clip(_as_json(decoded))}\n"
+            f"duration: {time.monotonic() - started:.3f} s")
+
+
 def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                       transport: Literal["stdio", "http"]) -> MCPServer[Any]:
     """The ``mcp`` MCPServer exposing run_python and the workspace file tools."""
@@ -317,14 +488,22 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
     def session_key(ctx: Context) -> str | None:
         if transport == "stdio":
             return "stdio"
-        session = ctx.request_context.session
-        connection: Any = getattr(session, "_connection", None)
+        # The SDK's documented place for per-connection cleanup is the `Connection`'s
+        # `exit_stack`, unwound when the session ends (the client's DELETE, or the transport's
+        # idle expiry). mcp 2.3 hands a tool that Connection only through the session's
+        # private `_connection`: the public `Context.connection` of `mcp.server.context` is
+        # not built for tool handlers yet (its ServerRunner passes a ServerRequestContext),
+        # and no public hook reports a session's end. The public Mcp-Session-Id header is no
+        # substitute: on the stateless path nothing checks it, so a client could name any
+        # workspace. If a later SDK drops the attribute, this fails safe: every request is
+        # treated as sessionless (throw-away workspaces), and the HTTP tests fail loudly.
+        connection: Any = getattr(ctx.request_context.session, "_connection", None)
         session_id = getattr(connection, "session_id", None)
-        if session_id is None:
+        if not isinstance(session_id, str):
             return None
         key = f"http:{session_id}"
-        # Delete the workspace when the session ends (the client's DELETE, or expiry).
-        if key not in getattr(connection, "state", {}):
+        # Delete the workspace when the session ends.
+        if key not in connection.state:
             connection.state[key] = True
             connection.exit_stack.callback(store.drop, key)
         return key
@@ -338,6 +517,37 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
 
     def tool_error(exc: WasiboxError) -> ToolError:
         return ToolError(str(exc))
+
+    async def run_in_sandbox(code: str, root: Path, timeout: float, notes: list[str],
+                             ctx: Context) -> str:
+        """Run ``code`` with ``root`` at /workspace, sending progress while it runs."""
+        try:
+            sandbox = policy.sandbox(root, timeout)
+        except WasiboxError as exc:
+            raise ToolError(host_error_message(exc)) from None  # no host paths
+        task = asyncio.ensure_future(sandbox.arun(code))
+        try:
+            started = time.monotonic()
+            while True:
+                try:
+                    done, _ = await asyncio.wait({task}, timeout=1.0)
+                except asyncio.CancelledError:
+                    task.cancel()  # the client cancelled the call: cancel the run too
+                    raise
+                if done:
+                    break
+                elapsed = time.monotonic() - started
+                try:
+                    await ctx.report_progress(min(elapsed, timeout), timeout,
+                                              f"running for {elapsed:.0f} s")
+                except Exception:  # noqa: BLE001 - progress is best effort
+                    pass
+            result = task.result()
+        except WasiboxError as exc:
+            raise ToolError(host_error_message(exc)) from None  # no host paths
+        finally:
+            sandbox.close()
+        return describe_result(result, sandbox.limits, notes)
 
     @server.tool(description=RUN_PYTHON_DESCRIPTION)
     async def run_python(
@@ -359,32 +569,18 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
             root = store.ephemeral()
             notes.append("no MCP session: /workspace was a throw-away directory for this run")
         else:
-            root = store.get(key)
+            root, renewed = store.acquire(key, hold=True)
+            if renewed:
+                notes.append(f"this session's workspace was deleted after "
+                             f"{store.idle_timeout_s:g} s without a call; /workspace started "
+                             "empty")
         try:
-            sandbox = policy.sandbox(root, timeout)
-        except WasiboxError as exc:
-            raise tool_error(exc) from None
-        try:
-            task = asyncio.ensure_future(sandbox.arun(code))
-            started = time.monotonic()
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    break
-                elapsed = time.monotonic() - started
-                try:
-                    await ctx.report_progress(min(elapsed, timeout), timeout,
-                                              f"running for {elapsed:.0f} s")
-                except Exception:  # noqa: BLE001 - progress is best effort
-                    pass
-            result = task.result()
-        except WasiboxError as exc:
-            raise tool_error(exc) from None
+            return await run_in_sandbox(code, root, timeout, notes, ctx)
         finally:
-            sandbox.close()
             if key is None:
                 store.discard(root)
-        return describe_result(result, sandbox.limits, notes)
+            else:
+                store.release(key)
 
     @server.tool(description=(
         "Write a UTF-8 text file into the session's workspace (seen by code as /workspace/"
@@ -417,6 +613,34 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         "List the files in the session's workspace (/workspace), with their sizes."))
     async def list_files(ctx: Context) -> str:
         return _list(workspace(ctx))
+
+    if policy.functions:
+        async def call_function(name: str, args: list[Any] | None = None,
+                                kwargs: dict[str, Any] | None = None) -> str:
+            cancel = threading.Event()
+            try:
+                return await asyncio.to_thread(call_host_function, policy, name, args or [],
+                                               kwargs or {}, cancel)
+            except asyncio.CancelledError:
+                cancel.set()  # stop waiting for the function (its thread cannot be killed)
+                raise
+
+        # The schema lists the configured names (an enum the model can read). They are only
+        # known here, so the annotations are objects rather than strings the SDK would
+        # evaluate in this module's globals.
+        names: list[Any] = sorted(policy.functions)
+        call_function.__annotations__ = {
+            "name": Annotated[str, Field(description="the function's name, one of those listed",
+                                         json_schema_extra={"enum": names})],
+            "args": Annotated[list[Any] | None, Field(
+                description="positional arguments, as a JSON array")],
+            "kwargs": Annotated[dict[str, Any] | None, Field(
+                description="keyword arguments, as a JSON object")],
+            "return": str,
+        }
+        server.tool(description=CALL_FUNCTION_DESCRIPTION.format(
+            call_bytes=policy.limits.host_call_bytes, timeout=policy.limits.timeout_s,
+            functions=describe_functions(policy.functions)))(call_function)
 
     return server
 
