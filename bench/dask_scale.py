@@ -121,6 +121,8 @@ def main() -> None:
           f"2 cores ~1.8x; shared cores lower it); 2 workers / local map: "
           f"{local_s / results[2][0]:.2f}x")
     print("what stands in the way of linear scaling:\n"
+          "  - cores: a local Transform.map already keeps up to 2 cores busy (a batch runs while "
+          "the previous one is decoded), so 2 workers on 2 cores share the same cores\n"
           "  - scheduling: each partition is a few tasks (run, offsets, results), a "
           "round trip to the scheduler each; small partitions pay it per few records\n"
           "  - serialization: records go to the workers and outputs come back pickled "
