@@ -534,6 +534,7 @@ class FileSession:
         self._handles: dict[int, _Handle] = {}
         self._mounted: list[_Mounted] = []
         self._closed = False
+        self._refused: list[RefusedFile] = []
         self.published = False
         try:
             for index, mount in enumerate(mounts):
@@ -559,6 +560,18 @@ class FileSession:
     def trees(self) -> dict[str, Path]:
         """Guest path -> host staging tree of each writable mount (for directory backends)."""
         return {m.mount.guest_path: m.tree for m in self._mounted if m.tree is not None}
+
+    def views(self) -> list[tuple[Mount, int | None]]:
+        """Each mount with a descriptor of the directory its guest view starts at: the host
+        directory of a read-only mount, the staging tree of a writable one, None for a
+        scratch mount (it starts empty). For backends that copy mounts into their guest; the
+        session owns the descriptors."""
+        return [(m.mount, None if m.scratch else m.root_fd) for m in self._mounted]
+
+    def refuse(self, path: str, reason: str) -> None:
+        """Report a guest entry that will not be published (a backend whose guest writes its
+        own copy of a mount finds these before anything reaches the staging tree)."""
+        self._refused.append(RefusedFile(path=path, reason=reason))
 
     # -- resolving paths --------------------------------------------------------------------
     def _locate(self, path: str) -> tuple[_Mounted | None, tuple[str, ...], bool]:
@@ -1042,7 +1055,7 @@ class FileSession:
             raise RuntimeError("this file session is closed or already published")
         self._close_handles()
         records: list[FileRecord] = []
-        refused: list[RefusedFile] = []
+        refused: list[RefusedFile] = list(self._refused)
         try:
             for mounted in self._mounted:
                 if mounted.tree is not None:

@@ -16,6 +16,7 @@ Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to h
     {"kind": "ready", "python": str}
     {"kind": "output", "fd": 1 | 2, "data": bytes}
     {"kind": "call", "name": str, "payload": bytes}   # a host function or HTTP call
+    {"kind": "files", "mount": int, "entries": [...]}  # a writable mount, after the job
     {"kind": "done", "reply": str | None, "exit_code": int | None, "limit": str | None,
      "fault": None | {"type", "message", "traceback"}, "cpu_s": float,
      "memory_peak_bytes": int, "truncated": [fd, ...]}
@@ -25,8 +26,13 @@ Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to h
 Host to guest, once per VM::
 
     {"kind": "run", "job": <the wasm runner's request>, "output_bytes": int,
-     "cpu_s": int, "entropy": bytes, "time_ns": int}
+     "cpu_s": int, "entropy": bytes, "time_ns": int, "mounts": [<mount>, ...]}
+    {"kind": "files", "mount": int, "entries": [...]}  # with mounts: their contents,
+    {"kind": "files_end"}                              # then this, before the job starts
     {"kind": "result", "ok": bool, "payload": bytes}  # the answer to one "call"
+
+Mounts: the agent builds them before the job and reports the writable ones after it
+(``wasibox_vm_files.py`` beside this file says how, and what the entries are).
 
 Host functions and HTTP: the child imports the wasm guest's own ``host`` module, whose
 channel here is a pair of pipes to this agent; the agent relays each call to the host and
@@ -309,6 +315,12 @@ def _load_host_module():
 
 _load_host_module()
 
+try:  # beside this file (the path _load_host_module added): mounts, copied in and out
+    import wasibox_vm_files
+except ImportError as exc:
+    print(f"wasibox-agent: no mount support: {exc}", flush=True)
+    wasibox_vm_files = None
+
 
 def _data_limit(headroom=24 * 2**20):
     """A cap on the job's data segment: what it has now plus what the VM can still give.
@@ -329,7 +341,8 @@ def _data_limit(headroom=24 * 2**20):
     return max(used + available - headroom, used + headroom)
 
 
-def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, _exit=os._exit):
+def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None,
+           _exit=os._exit):
     """In the forked child: drop privileges, run the job, write the reply, exit.
 
     Never returns, whatever the job did to this interpreter: ``_exit`` is bound early.
@@ -337,6 +350,8 @@ def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, _exit=os._exit):
     status = 70
     try:
         os.setsid()
+        if mounts is not None:
+            mounts.enter()  # the job's root, with its mounts in place
         with open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("1000")
         resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
@@ -404,6 +419,48 @@ def _reseed(entropy):
         print(f"wasibox-agent: reseeding failed: {exc}", flush=True)
 
 
+def _mount_fault(exc):
+    return {"type": "OSError", "traceback": "",
+            "message": f"the VM could not set up the run's mounts: {exc}"}
+
+
+def _receive_mounts(channel, specs):
+    """Build the job's mounts and fill them from the host's ``files`` frames, up to its
+    ``files_end``. Returns (mounts, None), or (None, fault) after reading every frame."""
+    mounts = fault = None
+    try:
+        if wasibox_vm_files is None:
+            raise OSError("this image's agent has no mount support")
+        mounts = wasibox_vm_files.Mounts(specs)
+        mounts.build()
+    except Exception as exc:
+        fault = _mount_fault(exc)
+    while True:
+        frame = channel.receive()
+        if frame.get("kind") == "files_end":
+            break
+        if fault is None:
+            try:
+                mounts.receive(frame)
+            except Exception as exc:
+                fault = _mount_fault(exc)
+    if fault is None:
+        try:
+            mounts.seal()
+        except Exception as exc:
+            fault = _mount_fault(exc)
+    return (None, fault) if fault is not None else (mounts, None)
+
+
+def _succeeded(reply):
+    """True if the child's reply says the job ended well (so its writes count)."""
+    try:
+        fields = json.loads(bytes(reply))
+    except ValueError:
+        return False
+    return isinstance(fields, dict) and fields.get("exit_code") == 0 and "error" not in fields
+
+
 def serve(channel, request):
     job = request["job"]
     output_room = int(request["output_bytes"])
@@ -413,6 +470,14 @@ def serve(channel, request):
         time.clock_settime_ns(time.CLOCK_REALTIME, int(request["time_ns"]))
     except (OSError, KeyError, ValueError):
         pass
+    mounts = None
+    if request.get("mounts"):
+        mounts, fault = _receive_mounts(channel, request["mounts"])
+        if fault is not None:
+            channel.send({"kind": "done", "reply": None, "exit_code": None, "limit": None,
+                          "fault": fault, "cpu_s": 0.0, "memory_peak_bytes": 0,
+                          "truncated": []})
+            return
     oom_before = _oom_kills()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -425,7 +490,7 @@ def serve(channel, request):
         os.close(channel.fd)
         for fd in (out_r, err_r, reply_r, call_r, result_w):
             os.close(fd)
-        _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r)
+        _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts)
     for fd in (out_w, err_w, reply_w, call_w, result_r):
         os.close(fd)
     calls = bytearray()
@@ -529,6 +594,14 @@ def serve(channel, request):
                      "message": f"the guest process was killed by {signal.Signals(signum).name}"}
     elif not reply and fault is None:
         exit_code = os.WEXITSTATUS(status)  # os._exit, or a failure before the job ran
+    if mounts is not None and limit is None and fault is None and _succeeded(reply):
+        # The job ended well: report its writable mounts (the host publishes them only if
+        # it agrees). Nothing of the job runs any more, so nothing changes under the walk.
+        try:
+            mounts.collect(channel.send)
+        except Exception as exc:
+            fault = {"type": "OSError", "traceback": "",
+                     "message": f"the VM could not read back the run's mounts: {exc}"}
     channel.send({
         "kind": "done",
         "reply": reply.decode("ascii", "replace") if reply and limit is None else None,

@@ -34,7 +34,9 @@ Capabilities: host functions and mediated HTTP travel over the VM's channel. The
 the wasm guest's own ``import host`` module (``guest/runner/host/``) over a pipe to the
 agent, which relays each call as a frame; the host answers it with the same
 ``HostCalls``/``HttpGate`` code the wasm backend uses, so policy, limits and the capability
-log are identical. Mounts are not supported in the VM yet (a UsageError says so).
+log are identical. Mounts are copied in over the channel (no host directory or disk reaches
+the VM) and a writable mount's changes come back the same way, into the run's staging, which
+the wasm backend's own code publishes only if the run ends ok (``wasibox/_vm_files.py``).
 
 Residual risk: QEMU 7.2 cannot open the template's RAM file read-only and still map it
 writable-private, so a QEMU compromised by a guest could write to the template file it was
@@ -82,6 +84,7 @@ from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
+from .._vm_files import CopyIn, CopyOut, QuotaExceeded
 from .._vm_image import ImageConfig, VMImage, ensure_image, image_modules
 from .base import Backend, Job
 
@@ -545,11 +548,20 @@ class _VM:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(self.process.stdout)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], deadline: float | None = None) -> None:
+        """Send one frame, waiting at most until ``deadline`` (TimeoutError after it);
+        ChannelClosed if the VM has gone."""
         assert self.channel is not None
-        self.channel.sock.setblocking(True)
+        if deadline is None:
+            self.channel.sock.setblocking(True)
+        else:
+            self.channel.sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             self.channel.send(message)
+        except TimeoutError:
+            raise
+        except OSError:
+            raise ChannelClosed from None
         finally:
             self.channel.sock.setblocking(False)
 
@@ -822,9 +834,6 @@ class MicroVMBackend(Backend):
 
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         self.check_allowed()
-        if job.policy.mounts:
-            raise UsageError("mounts are not supported by the microVM backend yet; run code "
-                             "that needs them on backend='wasm'")
         limits = job.limits
         if limits.memory_bytes < MIN_MEMORY_BYTES:
             raise UsageError(
@@ -842,6 +851,11 @@ class MicroVMBackend(Backend):
             msgpack.packb(request, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        # Mounts are copied in over the channel and their changes applied to the run's
+        # staging (wasibox/_vm_files.py); sized up here, before any VM starts.
+        copy_in = CopyIn(job.files, limits.memory_bytes) if job.files is not None else None
+        if copy_in is not None:
+            request["mounts"] = copy_in.specs()
         runtime = self.runtime
         runtime.template(memory_mib)  # made outside the run's clock, once per size
         with _run_directory() as paths:
@@ -857,12 +871,17 @@ class MicroVMBackend(Backend):
             vm = runtime.restore(memory_mib, paths)
             control.enter(RunState.RUNNING)
             detach = control.on_cancel(vm.stop)  # the VM is killed; the run reports cancelled
+            copy_out = CopyOut(job.files, copy_in) \
+                if job.files is not None and copy_in is not None else None
             try:
                 outcome = self._drive(vm, request, calls, limits.output_bytes,
-                                      limits.memory_bytes, deadline, started)
+                                      limits.memory_bytes, deadline, started, copy_in,
+                                      copy_out)
             finally:
                 detach()
                 vm.kill()
+                if copy_out is not None:
+                    copy_out.close()
             if control.cancelled:
                 outcome = Outcome(limit_exceeded=Limit.CANCELLED, stdout=outcome.stdout,
                                   stderr=outcome.stderr, duration_s=outcome.duration_s,
@@ -871,7 +890,8 @@ class MicroVMBackend(Backend):
             return outcome
 
     def _drive(self, vm: _VM, request: dict[str, Any], calls: HostCalls, output_bytes: int,
-               memory_bytes: int, deadline: float, started: float) -> Outcome:
+               memory_bytes: int, deadline: float, started: float,
+               copy_in: CopyIn | None = None, copy_out: CopyOut | None = None) -> Outcome:
         outcome = Outcome(memory_limit_bytes=memory_bytes, isolation=self.runtime.accel)
         sinks = {1: bytearray(), 2: bytearray()}
         room = output_bytes
@@ -884,6 +904,10 @@ class MicroVMBackend(Backend):
             if vm.channel is not None:
                 vm.send(request)
                 sent = True
+                if copy_in is not None:
+                    for message in copy_in.frames():
+                        vm.send(message, deadline)
+                    vm.send({"kind": "files_end"}, deadline)
                 for frame in vm.poll(deadline):
                     kind = frame.get("kind")
                     if kind == "output":
@@ -909,11 +933,26 @@ class MicroVMBackend(Backend):
                             break
                         vm.send({"kind": "result", "ok": answer.ok,
                                  "payload": answer.payload.encode("latin-1")})
+                    elif kind == "files" and copy_out is not None:
+                        copy_out.apply(frame)
                     elif kind == "done":
                         done = frame
+                        if copy_out is not None and done.get("limit") is None \
+                                and done.get("fault") is None:
+                            copy_out.finish()
                         break
         except ChannelClosed:
             pass
+        except TimeoutError:  # the VM stopped reading the copy-in before the deadline
+            outcome.limit_exceeded = Limit.TIMEOUT
+        except QuotaExceeded as exc:
+            outcome.fault = GuestException(type="OSError", traceback="", message=(
+                f"{exc}: nothing was published"))
+            outcome.exit_code = 1
+        except OSError as exc:  # the host's own disk failed under the run's staging
+            outcome.fault = GuestException(type="OSError", traceback="", message=(
+                f"the run's files could not be staged: {exc.strerror or exc}"))
+            outcome.exit_code = 1
         except (ValueError, msgpack.UnpackException) as exc:
             outcome.fault = GuestException(type="ProtocolError", traceback="",
                                            message=f"the guest broke the channel protocol: {exc}")
