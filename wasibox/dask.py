@@ -428,7 +428,7 @@ def fingerprint(transform: Transform, collection: Any, *,
     return "sha256:" + digest.hexdigest()
 
 
-# -- method-style helpers -----------------------------------------------------------------------
+# -- method-style accessors ----------------------------------------------------------------------
 
 
 class WasiboxAccessor:
