@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,8 +46,8 @@ def forbidden(x: int) -> int:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[None]:
-    os.environ["WASIBOX_DASK_ALLOW_FUNCTIONS"] = "tests.test_dask:double"
-    with dask.config.set(scheduler="sync"):
+    with pytest.MonkeyPatch.context() as patch, dask.config.set(scheduler="sync"):
+        patch.setenv("WASIBOX_DASK_ALLOW_FUNCTIONS", "tests.test_dask:double")
         yield None
 
 
@@ -129,3 +129,68 @@ def test_plugin_refuses_a_guest_digest_mismatch() -> None:
     plugin = wd.WasiboxPlugin(guest_digest="sha256:" + "0" * 64)
     with pytest.raises(wd.GuestMismatch, match="install the same wasibox version"):
         plugin.setup(worker=None)
+
+
+def test_failures_pickle_whole(transform: wasibox.Transform, local: list[Any]) -> None:
+    # What a worker sends back: the Failed, its error, its message, index and result.
+    for item in (local[10], local[40]):
+        copy = pickle.loads(pickle.dumps(item))
+        assert copy.index == item.index and copy.to_dict() == item.to_dict()
+        assert type(copy.error) is type(item.error)
+        assert str(copy.error) == str(item.error) and copy.error.index == item.error.index
+        assert copy.error.result == item.error.result
+    assert pickle.loads(pickle.dumps(local[40].error)).limit is wasibox.Limit.FUEL
+    busy = pickle.loads(pickle.dumps(wasibox.Busy(2, 3)))
+    assert (busy.max_concurrency, busy.max_queue, str(busy)) == (2, 3, str(wasibox.Busy(2, 3)))
+
+
+SHUFFLED = """
+def transform(r):
+    if r["id"] % 4 == 0:
+        raise ValueError("every fourth")
+    return {"z": r["id"], "a": r["qty"], "m": f"m{r['id']}"}
+"""
+
+
+def test_dataframe_columns_are_in_the_order_of_the_rows(client: None) -> None:
+    # Each partition's first row fails (the bug: its frame began with "failed"), and one
+    # partition has no failure at all (the bug: it had no "failed" column).
+    records = RECORDS[:13]
+    frame = dd.from_pandas(pd.DataFrame(records), npartitions=4)
+    with wasibox.Transform(SHUFFLED, on_error="collect") as t:
+        local = t.map(records, progress=False)
+        out = frame.wasibox.map(t).compute()
+        assert list(out.columns) == ["z", "a", "m", "failed"]
+        rows = [item for item in local if not isinstance(item, wasibox.Failed)]
+        expected = pd.DataFrame(rows, index=[i for i, item in enumerate(local)
+                                             if not isinstance(item, wasibox.Failed)])
+        kept = out[out["failed"].isna()].drop(columns="failed")
+        pd.testing.assert_frame_equal(kept, expected, check_dtype=False)
+        assert [f.index for f in out["failed"].dropna()] == [0, 4, 8, 12]
+        skipped = t.to_dask(frame, on_error="skip").compute()
+        assert list(skipped.columns) == ["z", "a", "m"]
+        pd.testing.assert_frame_equal(skipped, expected)
+
+
+def test_meta_names_the_columns(client: None, transform: wasibox.Transform) -> None:
+    frame = dd.from_pandas(pd.DataFrame(RECORDS[:20]), npartitions=2)
+    meta = pd.DataFrame({"total": pd.Series(dtype=float), "id": pd.Series(dtype=int)})
+    out = wd.map_partitions(transform, frame, on_error="skip", meta=meta)
+    assert list(out.columns) == ["total", "id"]
+    assert list(out.compute().columns) == ["total", "id"]
+    with pytest.raises(wasibox.UsageError, match="meta= naming every output column"):
+        wd.map_partitions(transform, frame, on_error="skip",
+                          meta=meta[["id"]]).compute()
+    with pytest.raises(wasibox.UsageError, match="meta must be"):
+        wd.map_partitions(transform, frame, meta={"id": int})
+
+
+def test_bags_and_dataframes_have_a_wasibox_accessor(client: None,
+                                                     transform: wasibox.Transform,
+                                                     local: list[Any]) -> None:
+    bag = db.from_sequence(RECORDS, npartitions=3)
+    assert described(bag.wasibox.map(transform).compute()) == described(local)
+    assert bag.wasibox.fingerprint(transform) == transform.fingerprint(RECORDS)
+    frame = dd.from_pandas(pd.DataFrame(RECORDS), npartitions=3)
+    assert frame.wasibox.fingerprint(transform) == transform.fingerprint(RECORDS)
+    assert isinstance(db.Bag.wasibox, type) and db.Bag.wasibox is wd.WasiboxAccessor

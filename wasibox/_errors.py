@@ -19,7 +19,7 @@ point, in the Wasmtime backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._limits import Limit
@@ -39,6 +39,15 @@ __all__ = [
 
 class WasiboxError(Exception):
     """The root of every error wasibox raises."""
+
+
+def _rebuilt(cls: type[BaseException], init: tuple[Any, ...], args: tuple[Any, ...],
+             state: dict[str, Any]) -> BaseException:
+    """Unpickle an error whose constructor does not take its message (see ``__reduce__``)."""
+    error = cls(*init)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class UsageError(WasiboxError):
@@ -68,6 +77,11 @@ class Busy(WasiboxError):
         super().__init__(f"the sandbox is busy: {max_concurrency} runs are active and "
                          f"{max_queue} are queued; retry later")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (message, attributes), e.g. to travel back from a dask worker.
+        return (_rebuilt, (type(self), (self.max_concurrency, self.max_queue), self.args,
+                           self.__dict__))
+
 
 class GuestError(WasiboxError):
     """Guest code raised an exception, or exited with a non-zero status.
@@ -88,6 +102,12 @@ class GuestError(WasiboxError):
         super().__init__(f"{exception.type}: {exception.message}" if exception.message
                          else exception.type)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (message with its record index, attributes), e.g. to travel back
+        # from a dask worker.
+        return (_rebuilt, (type(self), (self.exception, self.result), self.args,
+                           self.__dict__))
+
 
 class LimitExceeded(WasiboxError):
     """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept.
@@ -101,3 +121,7 @@ class LimitExceeded(WasiboxError):
         self.limit = limit
         self.result = result
         super().__init__(f"the run exceeded its {limit.value} limit")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As GuestError's.
+        return (_rebuilt, (type(self), (self.limit, self.result), self.args, self.__dict__))

@@ -7,23 +7,27 @@ as import paths (``"package.module:function"``) and a worker runs only those its
 compiled guest, sandboxes), set up once by the plugin, which also refuses to start when the
 worker's guest digest differs from the client's.
 
-Results equal a local ``Transform.map`` over the same records: every partition runs with
-``start=`` its global offset, so failures carry global indexes, and under ``on_error="raise"``
-the error raised is the one with the lowest index, whatever the partitioning.
+Results equal a local ``Transform.map`` over the same records: every partition's failures
+are numbered from its global offset, so they carry global indexes, and under
+``on_error="raise"`` the error raised is the one with the lowest index, whatever the
+partitioning. Importing this module also gives bags and DataFrames a ``.wasibox`` accessor:
+``collection.wasibox.map(transform)``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import dask
 import dask.bag as db
 from dask.delayed import Delayed, delayed
+from dask.sizeof import sizeof
 from distributed import Client, WorkerPlugin
 
 from ._errors import GuestBuildError, UsageError
@@ -33,6 +37,7 @@ from ._transform import Failed, OnError, Transform, TransformSpec, _canonical, _
 __all__ = [
     "FunctionRefused",
     "GuestMismatch",
+    "WasiboxAccessor",
     "WasiboxPlugin",
     "fingerprint",
     "map_partitions",
@@ -42,6 +47,9 @@ __all__ = [
 #: Environment variable a worker reads for extra host functions it allows (comma-separated
 #: import paths), in addition to its plugin's ``allow_functions``.
 ALLOW_ENV = "WASIBOX_DASK_ALLOW_FUNCTIONS"
+
+#: The column of a DataFrame result that holds each failed row's ``wasibox.Failed``.
+FAILED_COLUMN = "failed"
 
 
 class GuestMismatch(GuestBuildError):
@@ -112,6 +120,21 @@ def _runtime() -> _Runtime:
         return _RUNTIME
 
 
+def _mismatch(address: str, digest: str, expected: str) -> str:
+    return (f"worker {address} runs guest {digest}, but the client expects {expected}: "
+            f"install the same wasibox version (and dependencies) on every worker, so that "
+            f"results stay deterministic")
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except ValueError:  # not in a distributed worker (a local scheduler)
+        return "(local)"
+
+
 class WasiboxPlugin(WorkerPlugin):
     """Sets up one warm wasibox runtime per worker, once, when the worker starts.
 
@@ -132,10 +155,8 @@ class WasiboxPlugin(WorkerPlugin):
         global _RUNTIME
         digest = guest_digest()  # builds or loads the guest: once per worker
         if self.guest_digest is not None and digest != self.guest_digest:
-            raise GuestMismatch(
-                f"worker {getattr(worker, 'address', '?')} runs guest {digest}, but the "
-                f"client expects {self.guest_digest}: install the same wasibox version "
-                f"(and dependencies) on every worker")
+            raise GuestMismatch(_mismatch(getattr(worker, "address", "?"), digest,
+                                          self.guest_digest))
         runtime = _Runtime(digest, [*self.allow_functions, *_environment_allows()])
         # Warm the engine and the compiled guest, so no task pays for them.
         with Transform("def transform(r):\n    return r\n") as warm:
@@ -167,12 +188,62 @@ def register(client: Client, *, allow_functions: Iterable[str] = ()) -> None:
 # -- running partitions -------------------------------------------------------------------------
 
 
-def _run_partition(spec: dict[str, Any], functions: dict[str, str], records: Sequence[Any],
-                   start: int) -> list[Any]:
-    """Outputs (Failed in place of failures) for one partition whose first record is
-    ``start``; runs on a worker."""
-    transform = _runtime().transform(spec, functions)
-    return transform.map(list(records), on_error="collect", start=start, progress=False)
+class _Outputs:
+    """One partition's records or outputs, boxed between tasks: distributed pickles a box in
+    one piece, where it serializes a list of dicts element by element, tens of times slower
+    (and slow transfers between workers are what stops a cluster from scaling)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Outputs, (self.items,))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __sizeof__(self) -> int:  # what dask's scheduler weighs before moving it
+        return int(sizeof(self.items))
+
+
+def _run_partition(spec: dict[str, Any], functions: dict[str, str], digest: str,
+                   records: Iterable[Any]) -> _Outputs:
+    """Outputs (Failed in place of failures, numbered from 0) for one partition; runs on a
+    worker, which refuses if its guest is not ``digest`` (the client's), plugin or not.
+
+    It does not wait for the partition's global offset (which needs every partition's
+    length): it runs as soon as its records exist, where they are, and ``_renumber`` then
+    gives its failures their global index."""
+    runtime = _runtime()
+    if runtime.digest != digest:
+        raise GuestMismatch(_mismatch(_worker_address(), runtime.digest, digest))
+    transform = runtime.transform(spec, functions)
+    return _Outputs(transform.map(list(records), on_error="collect", progress=False))
+
+
+def _renumber(items: _Outputs, start: int) -> _Outputs:
+    """``items`` with each failure's index (and the ``record N:`` of its message) moved on
+    by ``start``: what ``Transform.map(..., start=start)`` would have given."""
+    if not start:
+        return items
+    moved = []
+    for item in items:
+        if isinstance(item, Failed):
+            # A copy: the partition's own outputs stay as they were, should dask run this
+            # step again on them.
+            error, index = copy.copy(item.error), item.index + start
+            message = str(error.args[0]) if error.args else ""
+            message = message.removeprefix(f"record {item.index}: ")
+            error.index = index
+            error.args = (f"record {index}: {message}",)
+            item = Failed(index, error)
+        moved.append(item)
+    return _Outputs(moved)
 
 
 def _offsets(*lengths: int) -> list[int]:
@@ -183,7 +254,7 @@ def _offsets(*lengths: int) -> list[int]:
     return starts
 
 
-def _first_failure(part: list[Any]) -> Failed | None:
+def _first_failure(part: _Outputs) -> Failed | None:
     return next((item for item in part if isinstance(item, Failed)), None)
 
 
@@ -191,39 +262,67 @@ def _earliest(*firsts: Failed | None) -> Failed | None:
     return next((first for first in firsts if first is not None), None)
 
 
-def _finish(items: list[Any], policy: OnError, first: Failed | None) -> list[Any]:
+def _finish(part: _Outputs, policy: OnError, first: Failed | None) -> list[Any]:
     if policy == "raise":
         if first is not None:
             raise first.error
-        return items
+        return part.items
     if policy == "skip":
-        return [item for item in items if not isinstance(item, Failed)]
-    return items
+        return [item for item in part if not isinstance(item, Failed)]
+    return part.items
 
 
-def _rows(frame: Any) -> list[dict[str, Any]]:
-    return frame.to_dict("records")
+def _box(records: Iterable[Any]) -> _Outputs:
+    return _Outputs(list(records))
 
 
-def _frame(items: list[Any], start: int, policy: OnError, first: Failed | None) -> Any:
-    """A pandas DataFrame of one partition's output rows, indexed by global record index."""
+def _rows(frame: Any) -> _Outputs:
+    return _Outputs(frame.to_dict("records"))
+
+
+def _frame(items: _Outputs, start: int, policy: OnError, first: Failed | None,
+           columns: list[str] | None) -> Any:
+    """A pandas DataFrame of one partition's output rows, indexed by global record index.
+
+    Every partition gets exactly ``columns`` (in that order; None: the keys of its rows, in
+    order of first appearance), then, under ``"collect"``, a ``failed`` column holding each
+    failed row's ``wasibox.Failed`` (None for the others). A row key outside ``columns``
+    raises UsageError: its column would be missing from the result's other partitions.
+    """
     import pandas
 
     if policy == "raise" and first is not None:
         raise first.error
-    rows, labels = [], []
+    rows: list[dict[str, Any]] = []
+    labels: list[int] = []
+    failures: list[Failed | None] = []
     for offset, item in enumerate(items):
         if isinstance(item, Failed):
             if policy == "skip":
                 continue
-            rows.append({"failed": item})
+            rows.append({})
+            failures.append(item)
         elif isinstance(item, Mapping):
             rows.append(dict(item))
+            failures.append(None)
         else:
             raise UsageError(f"a DataFrame transform must return dicts (rows), not "
                              f"{type(item).__name__}")
         labels.append(start + offset)
-    return pandas.DataFrame.from_records(rows, index=labels)
+    frame = pandas.DataFrame.from_records(rows, index=pandas.Index(labels, dtype="int64"))
+    if FAILED_COLUMN in frame.columns:
+        raise UsageError(f"a DataFrame transform's rows must not have a {FAILED_COLUMN!r} "
+                         f"key: that column holds the failures")
+    if columns is not None:
+        extra = [name for name in frame.columns if name not in columns]
+        if extra:
+            raise UsageError(
+                f"rows from record {start} on have columns {extra} that the first partition "
+                f"(or meta=) does not have; pass meta= naming every output column")
+        frame = frame.reindex(columns=columns)
+    if policy == "collect":
+        frame[FAILED_COLUMN] = pandas.Series(failures, index=frame.index, dtype=object)
+    return frame
 
 
 def _transform_parts(transform: Transform, collection: Any, on_error: OnError | None,
@@ -240,14 +339,18 @@ def _transform_parts(transform: Transform, collection: Any, on_error: OnError | 
     if frame:
         parts = [delayed(_rows)(part) for part in collection.to_delayed()]
     elif isinstance(collection, db.Bag):
-        parts = list(collection.to_delayed())
+        # Boxed first, by a task that dask keeps where the records are: whichever worker
+        # then runs the partition receives them in one piece.
+        parts = [delayed(_box)(part) for part in collection.to_delayed()]
     else:
         raise UsageError(f"expected a dask.bag.Bag or a dask.dataframe.DataFrame, not "
                          f"{type(collection).__name__}")
     lengths = [delayed(len)(part) for part in parts]
     starts = delayed(_offsets, nout=len(parts))(*lengths)
     spec = transform.spec.to_dict()
-    ran = [delayed(_run_partition, pure=True)(spec, names, part, starts[i])
+    digest = guest_digest()
+    ran = [delayed(_renumber, pure=True)(
+               delayed(_run_partition, pure=True)(spec, names, digest, part), starts[i])
            for i, part in enumerate(parts)]
     return ran, [starts[i] for i in range(len(parts))], policy, frame
 
@@ -265,8 +368,11 @@ def map_partitions(transform: Transform, collection: Any, *, on_error: OnError |
     """Apply ``transform`` to every record of a dask Bag or DataFrame, lazily.
 
     A Bag gives a Bag of outputs; a DataFrame gives its rows to the transform as dicts and
-    returns a DataFrame of the output rows (dicts), indexed by global record index (a failed
-    row, under ``"collect"``, has a ``failed`` column holding its ``wasibox.Failed``).
+    returns a DataFrame of the output rows (dicts), indexed by global record index. Its
+    columns are those of ``meta`` (an empty pandas DataFrame) or, without ``meta``, the keys
+    of the first partition's output rows in order (that partition runs once now to find
+    them); under ``"collect"`` a last ``failed`` column holds each failed row's
+    ``wasibox.Failed`` (None elsewhere).
     ``functions`` maps guest-visible names to import paths (``"module:function"``) that
     every worker must allow. Failures carry global indexes; under ``"raise"`` computing
     raises the failure with the lowest index. Raises UsageError for bad arguments.
@@ -275,13 +381,36 @@ def map_partitions(transform: Transform, collection: Any, *, on_error: OnError |
     first = (delayed(_earliest)(*[delayed(_first_failure)(part) for part in ran])
              if policy == "raise" else None)
     if frame:
-        import dask.dataframe as dd
-
-        frames = [delayed(_frame)(part, start, policy, first)
-                  for part, start in zip(ran, starts, strict=True)]
-        return dd.from_delayed(frames, meta=meta) if meta is not None else dd.from_delayed(
-            frames)
+        return _dataframe(ran, starts, policy, first, meta)
     return db.from_delayed([delayed(_finish)(part, policy, first) for part in ran])
+
+
+def _dataframe(ran: list[Delayed], starts: list[Delayed], policy: OnError,
+               first: Delayed | None, meta: Any) -> Any:
+    """The output DataFrame: every partition with the columns of ``meta``, or (no meta)
+    of the first partition's rows, which this computes now (only that partition)."""
+    import dask.dataframe as dd
+    import pandas
+
+    if meta is None:
+        probe = delayed(_frame)(ran[0], starts[0], "skip" if policy == "raise" else policy,
+                                None, None)
+        (sample,) = dask.compute(probe)  # type: ignore[attr-defined]
+        meta = sample.iloc[:0]
+    elif not isinstance(meta, pandas.DataFrame):
+        raise UsageError(f"meta must be an (empty) pandas DataFrame, not "
+                         f"{type(meta).__name__}")
+    columns = [name for name in meta.columns if name != FAILED_COLUMN]
+    meta = meta[columns]
+    if policy == "collect":
+        meta = meta.assign(**{FAILED_COLUMN: pandas.Series(dtype=object)})
+    frames = [delayed(_frame)(part, start, policy, first, columns)
+              for part, start in zip(ran, starts, strict=True)]
+    # Partitions may differ in dtype (an int column with a failed row is float): pandas
+    # upcasts when they are concatenated, as it does for one frame of all the rows. Object
+    # columns stay objects: dask would turn them into strings, the Failed ones included.
+    with dask.config.set({"dataframe.convert-string": False}):
+        return dd.from_delayed(frames, meta=meta, verify_meta=False)
 
 
 def fingerprint(transform: Transform, collection: Any, *,
@@ -297,3 +426,55 @@ def fingerprint(transform: Transform, collection: Any, *,
             digest.update(Transform._fingerprint_entry(index, item))
             index += 1
     return "sha256:" + digest.hexdigest()
+
+
+# -- method-style accessors ----------------------------------------------------------------------
+
+
+class WasiboxAccessor:
+    """``collection.wasibox``: wasibox.dask's functions as methods of a dask DataFrame or Bag.
+
+    Registered when ``wasibox.dask`` is imported: ``frame.wasibox.map(transform)`` is
+    ``map_partitions(transform, frame)``, ``bag.wasibox.fingerprint(transform)`` is
+    ``fingerprint(transform, bag)``.
+    """
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def map(self, transform: Transform, *, on_error: OnError | None = None,
+            functions: Mapping[str, str] | None = None, meta: Any = None) -> Any:
+        """``map_partitions(transform, collection, ...)``."""
+        return map_partitions(transform, self._collection, on_error=on_error,
+                              functions=functions, meta=meta)
+
+    def fingerprint(self, transform: Transform, *, functions: Mapping[str, str] | None = None,
+                    **compute_options: Any) -> str:
+        """``fingerprint(transform, collection, ...)``."""
+        return fingerprint(transform, self._collection, functions=functions,
+                           **compute_options)
+
+
+class _BagAccessor:
+    """The descriptor that makes ``bag.wasibox`` a WasiboxAccessor (dask has no accessor
+    registry for bags, so this is what its DataFrame registry does, done for Bag)."""
+
+    def __get__(self, bag: Any, owner: type) -> Any:
+        if bag is None:
+            return WasiboxAccessor
+        return WasiboxAccessor(bag)
+
+
+def _register_accessors() -> None:
+    if not hasattr(db.Bag, "wasibox"):
+        db.Bag.wasibox = _BagAccessor()  # type: ignore[attr-defined]
+    try:
+        import dask.dataframe as dd
+        from dask.dataframe.extensions import register_dataframe_accessor
+    except ImportError:  # no pandas: bags only
+        return
+    if not hasattr(dd.DataFrame, "wasibox"):
+        register_dataframe_accessor("wasibox")(WasiboxAccessor)
+
+
+_register_accessors()
