@@ -345,11 +345,13 @@ def summary(warm: dict[str, Stats], cold: dict[str, Stats], prepare_s: float | N
           f"p90 {ms(warm['back_to_back'].p90)}")
     print(f"  run, no pool            median {ms(warm['no_pool'].median)}, "
           f"p90 {ms(warm['no_pool'].p90)}")
-    cold_ms = cold["wall"].median * 1e3
-    print(f"  cold start              {cold_ms:.0f} ms whole process, "
-          f"{cold['in_process'].median * 1e3:.0f} ms import -> result "
+    # The target is from `import wasibox` to the first result; the whole process adds the
+    # interpreter's own start-up and exit, which are printed but not wasibox's to cut.
+    cold_ms = cold["in_process"].median * 1e3
+    print(f"  cold start              {cold_ms:.0f} ms import -> result "
           f"(target < {COLD_START_TARGET_MS:.0f} ms: "
-          f"{verdict(cold_ms < COLD_START_TARGET_MS)})")
+          f"{verdict(cold_ms < COLD_START_TARGET_MS)}), "
+          f"{cold['wall'].median * 1e3:.0f} ms whole process")
     print("  first-ever prepare      "
           + (f"{prepare_s:.1f} s" if prepare_s is not None else "not measured (--prepare)"))
     if eryx is None:
