@@ -122,8 +122,9 @@ def _runtime() -> _Runtime:
 
 def _mismatch(address: str, digest: str, expected: str) -> str:
     return (f"worker {address} runs guest {digest}, but the client expects {expected}: "
-            f"install the same wasibox version (and dependencies) on every worker, so that "
-            f"results stay deterministic")
+            f"install the same wasibox version (and dependencies) on every worker and give "
+            f"them one build of the guest (`wasibox prepare` once, in the image or a shared "
+            f"WASIBOX_CACHE_DIR), so that results stay deterministic")
 
 
 def _worker_address() -> str:
