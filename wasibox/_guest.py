@@ -27,7 +27,7 @@ from ._errors import GuestBuildError
 from ._progress import Reporter, stderr_reporter
 
 __all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "ensure_guest", "file_lock",
-           "guest_digest", "installed_version"]
+           "file_sha256", "guest_digest", "installed_version"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -80,7 +80,8 @@ def _recipe() -> ModuleType:
     return module
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's contents, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -102,7 +103,7 @@ def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
         path = Path(prebuilt)
         if not path.is_file():
             raise GuestBuildError(f"WASIBOX_GUEST names {prebuilt!r}, which is not a file")
-        return GuestArtifact(path, _sha256(path))
+        return GuestArtifact(path, file_sha256(path))
     recipe = _recipe()
     try:
         key = recipe.inputs_digest()

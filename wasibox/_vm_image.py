@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import GuestBuildError, UsageError
-from ._guest import cache_dir, file_lock
+from ._guest import cache_dir, file_lock, file_sha256
 from ._progress import Reporter, heartbeat, stderr_reporter
 
 __all__ = ["BASE_PACKAGES", "REQUIRED_TOOLS", "ImageConfig", "VMImage", "cached_image_state",
@@ -164,14 +164,6 @@ def missing_tools() -> list[str]:
     """The Debian packages whose tools are missing on this machine."""
     return sorted({package for tool, package in REQUIRED_TOOLS.items()
                    if shutil.which(tool) is None})
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _image_root() -> Path:
@@ -426,7 +418,7 @@ def _build_kernel_dir(config: ImageConfig, workdir: Path, target: Path,
     started = time.monotonic()
     version = _build_kernel(workdir, target, report)
     (target / "kernel.json").write_text(json.dumps({
-        "kernel": version, "sha256": _sha256(target / "vmlinux"),
+        "kernel": version, "sha256": file_sha256(target / "vmlinux"),
         "build_seconds": round(time.monotonic() - started, 1)}))
     report(f"built the guest kernel {version} in {time.monotonic() - started:.1f}s (cached)")
 
@@ -442,7 +434,7 @@ def _build_rootfs_dir(config: ImageConfig, workdir: Path, target: Path,
         "suite": config.suite,
         "packages": versions,
         "python_modules": modules,
-        "sha256": {"rootfs": _sha256(target / "rootfs.erofs")},
+        "sha256": {"rootfs": file_sha256(target / "rootfs.erofs")},
         "rootfs_bytes": (target / "rootfs.erofs").stat().st_size,
         "build_seconds": round(time.monotonic() - started, 1),
     }
