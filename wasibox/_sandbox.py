@@ -258,6 +258,21 @@ class Sandbox:
             return self._microvm
 
 
+def sandbox_for(code: str, limits: Limits | None, **options: Any) -> Sandbox:
+    """A Sandbox made to run ``code`` again and again (a Transform's, a fuzzed function's).
+
+    Raises UsageError, at once rather than at the first call, for an option this Sandbox
+    does not take and for a source it refuses.
+    """
+    try:
+        sandbox = Sandbox(limits, **options)
+    except TypeError as exc:
+        raise UsageError(f"this wasibox's Sandbox does not accept that option: {exc}") \
+            from None
+    sandbox._check_source(code)
+    return sandbox
+
+
 def unwrap(result: RunResult) -> Any:
     """Return a call's value, or raise LimitExceeded / GuestError for a failed call."""
     if result.limit_exceeded is not None:

@@ -42,7 +42,7 @@ from ._batch import decode_batch_reply, encode_records
 from ._errors import GuestError, LimitExceeded, UsageError
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
-from ._sandbox import Sandbox
+from ._sandbox import Sandbox, sandbox_for
 from ._wire import ProtocolError
 from .backends.base import Backend
 
@@ -164,13 +164,8 @@ class Transform:
             sandbox_options["functions"] = functions
         if http is not None:
             sandbox_options["http"] = http
-        try:
-            self._sandbox = Sandbox(limits, seed=seed, clock=clock, entropy=entropy,
+        self._sandbox = sandbox_for(code, limits, seed=seed, clock=clock, entropy=entropy,
                                     backend=backend, **sandbox_options)
-        except TypeError as exc:
-            raise UsageError(f"this wasibox's Sandbox does not accept that option: {exc}") \
-                from None
-        self._sandbox._check_source(code)
         self.spec = TransformSpec(code=code, entry=entry, limits=self._sandbox.limits,
                                   seed=seed, clock=clock, entropy=entropy, on_error=on_error,
                                   batch_size=batch_size)

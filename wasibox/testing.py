@@ -38,7 +38,7 @@ from ._batch import decode_batch_reply, encode_records
 from ._errors import UsageError
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
-from ._sandbox import Sandbox, unwrap
+from ._sandbox import sandbox_for, unwrap
 from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT, _canonical
 from ._wire import ProtocolError
@@ -122,13 +122,8 @@ class GuestFunction:
         self.entry = entry
         self.parameters = signature_of(code, entry)
         self._overrides = dict(strategies or {})
-        try:
-            self._sandbox = Sandbox(limits, seed=seed, clock=clock, entropy=entropy,
+        self._sandbox = sandbox_for(code, limits, seed=seed, clock=clock, entropy=entropy,
                                     backend=backend, **sandbox_options)
-        except TypeError as exc:
-            raise UsageError(f"this wasibox's Sandbox does not accept that option: {exc}") \
-                from None
-        self._sandbox._check_source(code)
 
     def __call__(self, *args: Any) -> Any:
         """Call the function; return its value or raise GuestError / LimitExceeded."""
