@@ -22,8 +22,10 @@ __all__ = ["WASM_MODULES", "imported_modules", "needs_microvm", "parse", "wasm_l
 #: concurrent parses fail with "SystemError: AST constructor recursion depth mismatch".
 _PARSE_LOCK = threading.Lock()
 #: Sources up to this size have their import scan cached (services and fuzzers run the
-#: same code again and again); larger ones are scanned each time, so the cache stays small.
-_CACHED_SOURCE_CHARS = 64 * 1024
+#: same code again and again); larger ones are scanned each time, so the cache stays small:
+#: at most _CACHED_SCANS sources of this size, 16 MiB even if every character took 4 bytes.
+_CACHED_SOURCE_CHARS = 16 * 1024
+_CACHED_SCANS = 256
 
 #: Standard-library modules the wasm guest cannot provide (no native libraries, no OS process
 #: model, no terminal); the guest runner refuses them with a clear ImportError.
@@ -60,7 +62,7 @@ def imported_modules(code: str) -> set[str]:
     return set(_scan(code))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_CACHED_SCANS)
 def _cached_scan(code: str) -> frozenset[str]:
     return _scan(code)
 
