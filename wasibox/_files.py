@@ -719,6 +719,7 @@ class FileSession:
         mounted, rel, _ = self._mutable(path)
         if not rel:
             raise FilesError("exist")
+        _check_mode(mode, directory=True)
         self._charge_file(mounted, rel)
         parent = self._parent(mounted, rel)
         try:
@@ -800,9 +801,12 @@ class FileSession:
 
     def chmod(self, path: str, mode: int) -> None:
         mounted, rel, _ = self._mutable(path)
-        # The host must still be able to read and publish what the guest made.
-        self._with_own_inode(mounted, rel, lambda fd, st: os.chmod(
-            fd, (mode & 0o777) | (0o700 if stat.S_ISDIR(st.st_mode) else 0o600)))
+
+        def change(fd: int, st: os.stat_result) -> None:
+            _check_mode(mode, directory=stat.S_ISDIR(st.st_mode))
+            os.chmod(fd, mode & 0o777)
+
+        self._with_own_inode(mounted, rel, change)
 
     def utime(self, path: str, atime: int, mtime: int, now: bool) -> None:
         mounted, rel, _ = self._mutable(path)
@@ -1204,6 +1208,19 @@ def _read_journal(run_fd: int) -> dict[str, Any] | None:
     return journal
 
 
+def _check_mode(mode: int, *, directory: bool) -> None:
+    """Refuse (``EPERM``) a mode the host cannot honour, rather than change it silently.
+
+    The host must still read, list and publish everything the guest made, so a directory
+    keeps ``rwx`` and a file ``r`` for its owner; set-id and sticky bits are never granted.
+    Any other mode (a read-only file's 0o444 included) is applied as asked, shown by ``stat``
+    and published with the file.
+    """
+    owner = 0o700 if directory else 0o400
+    if mode & ~0o777 or mode & owner != owner:
+        raise FilesError("perm")
+
+
 class _Blocked(Exception):
     """A host path component is not a plain directory (a symlink, a file, ...)."""
 
@@ -1250,9 +1267,16 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
     for item in journal["dirs"]:
         parts = item["path"]
         try:
-            os.close(_walk_host(host_fd, parts, create=True))
+            made = _walk_host(host_fd, parts, create=True)
         except _Blocked:
             refuse(parts, "the host path is blocked by a link or a file")
+            continue
+        try:
+            os.chmod(made, item["mode"] | 0o700)  # the mode the guest saw (see _check_mode)
+        except OSError:
+            pass
+        finally:
+            os.close(made)
     tree_fd = os.open("tree", _DIR_FLAGS, dir_fd=run_fd)
     try:
         for item in journal["puts"]:

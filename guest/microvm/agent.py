@@ -183,10 +183,17 @@ def _encode(exit_code, error, value, memory_error):
 
 
 def _exit_status(code):
+    """The exit status a Linux parent sees when CPython ends with ``SystemExit(code)``.
+
+    None is 0. An int is converted to a C long long and truncated to int (-1 if it does not
+    fit a long long), and the kernel keeps the low 8 bits. Anything else is printed to stderr
+    and is 1.
+    """
     if code is None:
         return 0
     if isinstance(code, int):
-        return code & 0xFF
+        code = int.__index__(code)  # its value, whatever an int subclass overrides
+        return code & 0xFF if -2**63 <= code < 2**63 else 255
     try:
         print(code, file=sys.stderr)
         sys.stderr.flush()
@@ -199,6 +206,7 @@ def execute(job):
     """Run one job (the wasm runner's request) and return the encoded reply."""
     seed = job.get("seed")
     random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
+    sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
     numpy_module = sys.modules.get("numpy")
     if numpy_module is not None:
         # numpy's global generator was seeded when the template imported it: every run would
