@@ -388,12 +388,17 @@ def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
     namespace.clear()
     namespace.update(pristine)
 _RUNNER_FILE = __file__
+#: The file name of the runner's frames that sit under the program while it runs (see
+#: _hide_from_warnings): "importlib" and "_bootstrap" in it make the warnings machinery pass
+#: over them, as it passes over the import system's own frames.
+_INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
+_RUNNER_FILES = frozenset({_RUNNER_FILE, _INTERNAL_FILE})
 
 
 def _describe(exc):
     """The guest-visible description of an exception, without this runner's frames."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == _RUNNER_FILE:
+    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
         tb = tb.tb_next
     exc = exc.with_traceback(tb)
     try:
@@ -642,6 +647,20 @@ def _execute_batch(job, records, streams):
 
 def _star(function, arguments):
     return function(*arguments)
+
+
+def _hide_from_warnings(*functions):
+    """Give these functions' frames the runner's internal file name.
+
+    A warning whose ``stacklevel`` reaches past the program (``warnings.warn(...,
+    stacklevel=2)`` at its top level) is then reported as a native CPython reports it, at
+    ``sys:1``, instead of at a line of this file.
+    """
+    for function in functions:
+        function.__code__ = function.__code__.replace(co_filename=_INTERNAL_FILE)
+
+
+_hide_from_warnings(WitWorld.execute, _execute, _execute_batch, _star)
 
 
 def _encode_values(values, errors):

@@ -6,6 +6,7 @@ on the real guest under Wasmtime.
 
 from __future__ import annotations
 
+import re
 import stat
 import textwrap
 import time
@@ -82,6 +83,19 @@ def test_import_time_deprecation_warnings_name_the_importing_line(
     assert result.ok, result.error
     assert result.stderr.startswith("<sandbox>:3: DeprecationWarning: module 'sre_compile'")
     assert "wasibox_guest" not in result.stderr
+
+
+def test_a_warning_reaching_past_the_program_is_placed_where_cpython_places_it(
+        sandbox: wasibox.Sandbox) -> None:
+    code = ("import warnings\nwarnings.warn('top', UserWarning, stacklevel=2)\n"
+            "def f():\n    warnings.warn('inner', UserWarning, stacklevel=3)\nf()\n")
+    result = sandbox.run(code)
+    assert result.ok, result.error
+    lines = result.stderr.splitlines()
+    # No frame left to blame: CPython names `sys` (3.11: "sys:1", newer: "<sys>:0").
+    assert len(lines) == 2 and "wasibox" not in result.stderr
+    assert re.fullmatch(r"<?sys>?:\d+: UserWarning: top", lines[0])
+    assert re.fullmatch(r"<?sys>?:\d+: UserWarning: inner", lines[1])
 
 
 def test_chmod_and_mkdir_modes_are_shown_and_published(tmp_path: Path) -> None:
