@@ -395,12 +395,37 @@ _INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
 _RUNNER_FILES = frozenset({_RUNNER_FILE, _INTERNAL_FILE})
 
 
+#: Frames of these files stand in for what natively is C (os.urandom, open, os.stat, ...),
+#: so tracebacks leave them out, as a native CPython's have no frame there.
+_HIDDEN_FILES = _RUNNER_FILES | {wasibox_files.__file__}
+
+
+def _hide_frames(exc):
+    """Unlink the frames of ``_HIDDEN_FILES`` from the tracebacks of ``exc`` and its chain."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        kept = []
+        tb = current.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in _HIDDEN_FILES:
+                kept.append(tb)
+            tb = tb.tb_next
+        for frame, following in zip(kept, kept[1:] + [None]):
+            frame.tb_next = following
+        current.__traceback__ = kept[0] if kept else None
+        pending += [current.__cause__, current.__context__]
+
+
 def _describe(exc):
     """The guest-visible description of an exception, without this runner's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
-        tb = tb.tb_next
-    exc = exc.with_traceback(tb)
+    try:
+        _hide_frames(exc)
+    except BaseException:  # a hostile exception (a __traceback__ property, ...): as it is
+        pass
     try:
         text = "".join(traceback.format_exception(exc))
     except BaseException:  # a hostile __str__ or __repr__ must not take the runner down

@@ -77,6 +77,17 @@ def test_file_errors_carry_no_internal_context_and_unittest_reports_them(
     assert result.stdout == "None True\n2 1 True\n"
 
 
+@pytest.mark.parametrize("code", ["open('/nowhere')", "import os\nos.urandom(2**40)",
+                                  "import os\ntry:\n    os.stat('/x')\nexcept OSError:\n"
+                                  "    raise ValueError('chained')"])
+def test_tracebacks_show_no_frames_for_what_is_c_natively(sandbox: wasibox.Sandbox,
+                                                          code: str) -> None:
+    result = sandbox.run(code)
+    assert result.error is not None
+    frames = re.findall(r'File "([^"]+)"', result.error.traceback)
+    assert frames and set(frames) == {"<sandbox>"}, result.error.traceback
+
+
 def test_import_time_deprecation_warnings_name_the_importing_line(
         sandbox: wasibox.Sandbox) -> None:
     result = sandbox.run("import warnings\nwarnings.simplefilter('always')\nimport sre_compile\n")

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Limits
@@ -62,6 +64,17 @@ def _check(sandbox: wasibox.Sandbox, reference: dict[str, int]) -> None:
 def test_exit_statuses_match_native_cpython_on_wasm(reference: dict[str, int]) -> None:
     with wasibox.Sandbox(backend="wasm") as sandbox:
         _check(sandbox, reference)
+
+
+@pytest.mark.guest
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(status=st.integers() | st.integers(-2**70, 2**70) | st.integers(-300, 300),
+       how=st.sampled_from(["sys.exit({})", "os._exit({})", "raise SystemExit({})"]))
+def test_any_int_status_matches_native_cpython(sandbox: wasibox.Sandbox, status: int,
+                                               how: str) -> None:
+    case = how.format(status)
+    assert sandbox.run(_program(case)).exit_code == _host_status(case), case
 
 
 @pytest.mark.guest
