@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ._result import clean_text
 from ._wire import MAX_DEPTH, ProtocolError, check_depth, check_json_depth, decode_packed
 
 __all__ = ["BatchReply", "decode_batch_reply", "encode_records"]
@@ -192,7 +193,7 @@ def _exception(value: Any) -> dict[str, str] | None:
     if not (isinstance(value, dict)
             and all(type(value.get(key)) is str for key in _EXCEPTION_KEYS)):
         raise ProtocolError("the guest's batch reply has a malformed exception")
-    return {key: value[key] for key in _EXCEPTION_KEYS}
+    return {key: clean_text(value[key]) for key in _EXCEPTION_KEYS}
 
 
 def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str) -> list[Any]:
