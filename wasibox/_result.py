@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ._files import FileRecord, RefusedFile
 
 __all__ = ["GuestException", "Outcome", "RunResult", "build_result", "clean_text",
-           "json_value"]
+           "clean_value", "json_value"]
 
 #: A lone surrogate: a code point that a str can hold and UTF-8 cannot encode.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -60,6 +60,18 @@ def clean_text(text: str) -> str:
     if text.isascii():  # the common case, checked at C speed
         return text
     return _SURROGATE.sub("\ufffd", text)
+
+
+def clean_value(value: Any) -> Any:
+    """Plain data (lists, tuples, dicts, scalars) with ``clean_text`` applied to every str in
+    it, dict keys included; other values are returned as they are."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, list | tuple):
+        return type(value)(clean_value(item) for item in value)
+    if isinstance(value, dict):
+        return {clean_value(key): clean_value(item) for key, item in value.items()}
+    return value
 
 
 def json_value(value: Any) -> Any:

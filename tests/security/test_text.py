@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wasibox
+import wasibox.testing
 from wasibox._config import hash_token
 from wasibox._events import CapabilityEvent
 from wasibox._files import FileRecord, RefusedFile
@@ -217,6 +218,32 @@ def test_file_names_a_guest_creates_are_reported_as_utf8(tmp_path: Path) -> None
     on_host = set(os.listdir(os.fsencode(tmp_path))) - {b".wasibox-staging"}
     assert on_host == {n.encode() for n in names} | {b"host-\xff"}
     assert (tmp_path / os.fsdecode(b"host-\xff")).read_text() == "host"
+
+
+@settings(max_examples=30, deadline=None)
+@given(text=HOSTILE_TEXT)
+def test_batch_values_and_errors_hold_only_utf8(text: str) -> None:
+    # Transform and wasibox.testing read the guest's batch reply, which is JSON of its own.
+    code = ("def f(pair):\n    text, fail = pair\n"
+            "    if fail:\n        raise ValueError(text)\n"
+            "    return {'k': text, 'l': [text, 1], text: 2}\n")
+    transform = wasibox.Transform(code, entry="f", on_error="collect")
+    value, failed = transform.map([[text, False], [text, True]])
+    clean = through_reply(text)
+    assert isinstance(failed, wasibox.Failed) and failed.error.message == clean
+    assert_utf8(failed.to_dict())
+    replayed = wasibox.testing.replay(code, "f", repr(([text, False],)))
+    assert_utf8(replayed)
+    if isinstance(value, wasibox.Failed):
+        # A value JSON cannot carry exactly goes as msgpack, whose strict UTF-8 the guest's
+        # own encoder enforces: the record fails instead, with a clean message.
+        assert_utf8(value.to_dict())
+        assert not replayed.ok
+        return
+    expected: dict[str, Any] = {"k": clean, "l": [clean, 1]}
+    expected[clean] = 2
+    assert value == expected and replayed.value == expected
+    assert_utf8(value)
 
 
 def test_huge_lines_stay_within_the_output_cap(sb: wasibox.Sandbox) -> None:
