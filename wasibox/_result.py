@@ -59,7 +59,11 @@ def clean_text(text: str) -> str:
     """``text`` with each lone surrogate replaced by U+FFFD, so that it encodes as UTF-8."""
     if text.isascii():  # the common case, checked at C speed
         return text
-    return _SURROGATE.sub("\ufffd", text)
+    try:
+        text.encode("utf-8")  # C speed too; the regex only runs on text that needs it
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def clean_value(value: Any) -> Any:

@@ -165,7 +165,7 @@ def test_a_value_with_a_lone_surrogate_is_a_guest_error(sb: wasibox.Sandbox) -> 
     assert_utf8(result)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(text=HOSTILE_TEXT, number=st.floats(), blob=st.binary(max_size=16))
 def test_every_result_field_is_cleaned_however_it_was_built(text: str, number: float,
                                                            blob: bytes) -> None:
@@ -220,7 +220,7 @@ def test_file_names_a_guest_creates_are_reported_as_utf8(tmp_path: Path) -> None
     assert (tmp_path / os.fsdecode(b"host-\xff")).read_text() == "host"
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(text=HOSTILE_TEXT)
 def test_batch_values_and_errors_hold_only_utf8(text: str) -> None:
     # Transform and wasibox.testing read the guest's batch reply, which is JSON of its own.
