@@ -13,8 +13,8 @@ because an escape is text the guest could have printed itself, and because every
 (a JSON encoder, an MCP transport, a terminal) accepts U+FFFD. NUL and other control
 characters are valid UTF-8 and are kept (JSON escapes them; the CLI makes them inert on a
 terminal). Values need no pass of their own here: msgpack decodes their strings as strict
-UTF-8 and a reply that is not is a ``ProtocolError``; the JSON form still cleans every
-string it writes.
+UTF-8 and a reply that is not is a ``ProtocolError`` (batch replies, whose values are JSON,
+are cleaned by ``wasibox/_batch.py``); the JSON form still cleans every string it writes.
 
 **JSON.** ``RunResult.to_dict`` is the one JSON form of a result, used by ``wasibox serve``,
 ``wasibox run --json`` and the MCP server's JSON values (``json_value``). JSON has no bytes,
@@ -110,9 +110,11 @@ _Record = TypeVar("_Record", bound="DataclassInstance")
 def _clean_record(record: _Record) -> _Record:
     """A dataclass record (a file record, a capability event) with its str fields cleaned;
     the record itself when they were clean already."""
-    fields = {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
-    changed = {name: clean_text(text) for name, text in fields.items()
-               if isinstance(text, str) and clean_text(text) is not text}
+    changed: dict[str, str] = {}
+    for field in dataclasses.fields(record):
+        text = getattr(record, field.name)
+        if isinstance(text, str) and (clean := clean_text(text)) is not text:
+            changed[field.name] = clean
     return dataclasses.replace(record, **changed) if changed else record
 
 
