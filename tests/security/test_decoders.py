@@ -489,6 +489,21 @@ def test_a_transform_record_that_returns_an_extension_type_fails_alone() -> None
     assert isinstance(out[2], wasibox.Failed) and out[2].error.type == "ProtocolError"
 
 
+def test_a_forged_batch_reply_from_a_real_guest_fails_its_records_with_a_typed_error(
+        ) -> None:
+    # The function's module replaces the runner's batch encoder: 10 million empty lists.
+    code = ("import sys\n"
+            "body = '{\"json\":[' + '[],' * 10**7 + '[]]}'\n"
+            "sys.modules['wasibox_guest']._encode_values = lambda values, errors: (body, [])\n"
+            "def transform(record):\n    return record\n")
+    with wasibox.Transform(code, on_error="collect") as t:
+        out = t.map([1, 2])
+    assert all(isinstance(o, wasibox.Failed) and o.error.type == "ProtocolError"
+               and "more than" in o.error.message for o in out), out
+    with wasibox.Transform("def transform(r):\n    return r + 1\n") as t:
+        assert t.map([1, 2]) == [2, 3]
+
+
 def test_the_element_cap_follows_the_memory_limit() -> None:
     assert max_elements(wasibox.Limits().memory_bytes) == 2**20
     assert max_elements(2**30) == 2**22
