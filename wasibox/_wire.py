@@ -70,14 +70,16 @@ packed with msgpack (bytes, tuples, non-str keys).
 **Bounds.** Every decoder of guest data here is bounded before it builds anything, by the
 size of what it decodes (each caller's byte cap) and by an element count derived from the
 run's ``Limits``: ``max_elements(memory_bytes)``, one element per scalar, list, map, map key
-and string, 1,048,576 at the default 256 MiB. A decoded element costs the host at most about
-100 bytes (measured: a one-pair map is the dearest per element), so decoding one value costs
-the host at most about 0.4 times the guest's own memory cap, whatever the guest claims;
-nesting is capped at ``MAX_DEPTH``. msgpack is walked from its declared lengths and counts
+and string, 1,048,576 at the default 256 MiB. A decoded element costs the host at most 128
+bytes (measured: ~110 for maps of one pair nested in each other, the dearest; ~64 for an
+empty list), plus up to 4 bytes per byte decoded for the text of strs, so decoding one value
+costs the host at most half the guest's own memory cap, whatever the guest claims; nesting
+is capped at ``MAX_DEPTH``. msgpack is walked from its declared lengths and counts
 before msgpack's C decoder runs (``check_packed``); JSON is outlined with C-speed string
 operations and its elements counted before ``json.loads`` runs (``json_outline``). Either
 way the work is bounded by the element count, so a decode cannot hold the host (or its GIL)
-for long after the run's deadline.
+for long after the run's deadline: at most ~1 s of CPU at the default cap, for the slowest
+forgery measured (``python bench/decode.py`` prints the figures).
 
 **Plain values only.** What leaves the guest as a value is None, bool, int, float, str,
 bytes, list or dict (tuples arrive as lists), because every msgpack value goes through

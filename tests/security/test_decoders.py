@@ -43,8 +43,8 @@ from wasibox._wire import (
 )
 from wasibox.backends.microvm import MAX_FRAME_ELEMENTS, Channel
 
-#: What one decoded element may cost the host, at most (wasibox/_wire.py; ~83 measured).
-HOST_BYTES_PER_ELEMENT = 100
+#: What one decoded element may cost the host, at most (wasibox/_wire.py; ~110 measured).
+HOST_BYTES_PER_ELEMENT = 128
 #: What a refusal may allocate, whatever the size of what it refuses (msgpack's Packer,
 #: which encodes the answer to a refused call, starts with a 256 KiB buffer).
 REFUSAL_BYTES = 320 * 2**10
@@ -169,6 +169,10 @@ FORGERIES: dict[str, Callable[[int], bytes]] = {
                         + (b"\xcb" + b"\x01" * 8) * (n - 2),
     "big ints": lambda n: b"\xdd" + (n - 1).to_bytes(4, "big") + b"\xcf" + b"\xff" * 8 * 1
                           + (b"\xcf" + b"\xff" * 8) * (n - 2),
+    "one-pair maps nested 30 deep": lambda n: (  # within the depth cap, in an array
+        b"\xdd" + ((n - 1) // 61).to_bytes(4, "big")
+        + b"".join((b"\x81\xa4" + f"{i:04x}".encode()) * 30 + b"\x80"
+                   for i in range((n - 1) // 61))),
     "one map, one key repeated": lambda n: (b"\xdf" + ((n - 1) // 2).to_bytes(4, "big")
                                             + b"\xa1k\x90" * ((n - 1) // 2)),
     "nil": lambda n: b"\xdd" + (n - 1).to_bytes(4, "big") + b"\xc0" * (n - 1),
@@ -187,7 +191,7 @@ def test_a_value_at_the_element_cap_costs_the_host_a_bounded_amount(shape: str) 
 
 @pytest.mark.parametrize("shape", sorted(FORGERIES))
 def test_one_element_past_the_cap_is_refused_before_anything_is_built(shape: str) -> None:
-    data = FORGERIES[shape](CAP + 3)  # + 3: a one-pair map is three elements
+    data = FORGERIES[shape](CAP + 61)  # + 61: the largest unit of a forgery here
     result, peak = measured(lambda: unpack(data, "the value", CAP))
     assert isinstance(result, ProtocolError) and "more than" in str(result)
     assert peak <= REFUSAL_BYTES
