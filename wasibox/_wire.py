@@ -105,7 +105,7 @@ import msgpack
 __all__ = ["BYTES_PER_ELEMENT", "MAX_DEPTH", "MARSHAL_VERSION", "MAX_NUMBER_DIGITS",
            "ProtocolError", "Reply", "as_msgpack_values", "check_depth", "check_json_depth",
            "check_packed", "decode_packed", "decode_reply", "encode_request", "json_outline",
-           "max_elements", "unpack"]
+           "max_elements", "MIN_ELEMENTS", "unpack"]
 
 #: Deepest nesting accepted in a value that crosses the boundary. msgpack's own decoder
 #: accepts 1024, deep enough to exhaust the host's recursion limit in code that walks it.
@@ -235,11 +235,11 @@ def unpack(data: bytes, what: str, elements: int,
     """Decode one msgpack value from the guest: the one way guest msgpack becomes values.
 
     Returns the value and how many elements it holds. ``check_packed`` walks it first, so
-    the decode builds at most ``elements`` elements,
-    nested at most ``max_depth`` deep, of the plain types only (None, bool, int, float, str,
-    bytes, list, dict). Raises ProtocolError, naming ``what``, for anything else: extension
-    types (``Timestamp``, ``ExtType``), malformed or truncated data, invalid UTF-8 in a
-    str, an unhashable map key, too many elements or too deep a nesting.
+    the decode builds at most ``elements`` elements, nested at most ``max_depth`` deep, of
+    the plain types only (None, bool, int, float, str, bytes, list, dict). Raises
+    ProtocolError, naming ``what``, for anything else: extension types (``Timestamp``,
+    ``ExtType``), malformed or truncated data, invalid UTF-8 in a str, an unhashable map
+    key, too many elements or too deep a nesting.
     """
     used = check_packed(data, elements, max_depth, what)
     size = len(data)
@@ -281,9 +281,11 @@ def check_packed(data: bytes, elements: int, max_depth: int = MAX_DEPTH,
             raise ProtocolError(f"{what} ends in the middle of a value")
         byte = data[position]
         width = _RUN_WIDTHS.get(byte, 0) if left > 1 else 0
-        if width and position + width < size and _RUN_WIDTHS.get(data[position + width]) == width:
+        if (width and position + width < size
+                and _RUN_WIDTHS.get(data[position + width]) == width):
             # A run of same-size values (a list of numbers, of None, of empty lists) is
-            # skipped at C speed: the worst case is one step per element, not the usual one.
+            # skipped at C speed; tried only when the next value is of the same size too, so
+            # that values of alternating kinds cost one step each, not two.
             if width == 1:
                 # Empty containers may join the run only where one more level is allowed.
                 pattern = _FLAT_RUN if len(pending) <= max_depth else _SCALAR_RUN
