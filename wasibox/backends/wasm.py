@@ -56,7 +56,7 @@ from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
-from .._wire import ProtocolError, decode_reply, encode_request
+from .._wire import ProtocolError, decode_reply, encode_request, max_elements
 from ._stack import call_with_stack
 from .base import Backend, Job, Policy
 
@@ -760,7 +760,8 @@ class _Compiler:
                 # Compiling a hostile source recurses too: the same stack rule as a run.
                 text = call_with_stack(lambda: _call_guest(run, execute, request),
                                        MIN_HOST_STACK)
-                reply = decode_reply(text or "", MAX_COMPILED_BYTES)
+                reply = decode_reply(text or "", MAX_COMPILED_BYTES,
+                                     max_elements(job.limits.memory_bytes))
             except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
                 self._instance = None  # an instance that trapped is never used again
                 return None
