@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._errors import UsageError
-from ._files import MAX_DEPTH, STAGING_DIR, FileSession, Mount, _Blocked, _walk_host
+from ._files import MAX_DEPTH, STAGING_DIR, FileSession, Mount, QuotaExceeded, _Blocked, _walk_host
 
 __all__ = ["MAX_COPY_ENTRIES", "CopyIn", "CopyOut", "QuotaExceeded", "copy_in_caps"]
 
@@ -67,10 +67,6 @@ _MAX_NAME = 255
 _MAX_PATH = 4096
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class QuotaExceeded(Exception):
-    """A writable mount came back holding more than its quota."""
 
 
 def copy_in_caps(memory_bytes: int) -> tuple[int, int]:
