@@ -47,16 +47,21 @@ inside, so every publish is a same-filesystem ``rename``). At the start of a run
 populated with hard links to the mount's current files (one ``link`` per file, no data copied)
 and the inode of each is remembered. A file shared with the host this way is copied before
 anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never
-touched during the run. When the run ends **ok** (exit status 0, no exception, no limit),
-:meth:`FileSession.publish` walks the tree without following anything and:
+touched during the run; descriptors already open on it move to the copy, so all of them see
+one file, as on a real filesystem. When the run ends **ok** (exit status 0, no exception, no
+limit), :meth:`FileSession.publish` walks the tree without following anything and:
 
+* measures what the tree holds and, if that is over the mount's quotas, publishes nothing
+  (``run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
+  guest writes the tree itself to the same quotas, and trusts no count kept during the run;
 * refuses, and reports in ``RunResult.files_refused``, every symlink, FIFO, device or socket,
   and every file hard-linked to an inode that was not in the mount at the start (the wasm
   guest cannot make these, but a backend whose guest writes the staging tree directly can);
 * writes a journal, then moves each new or changed file into the host directory with one
   ``rename`` (the file appears complete or not at all), creating host directories component
   by component, again never following a link; then removes what the guest deleted, if the
-  host still holds the same inode there;
+  host still holds the same inode there (first, where the guest put a directory in place of
+  a file or the reverse: the old entry must go before the new one can take its place);
 * returns a :class:`FileRecord` (guest path, size, sha256) for each file it published.
 
 Any other ending (an exception, a non-zero exit, a limit, a timeout, a cancel, a host error)
@@ -68,8 +73,15 @@ the host directory sees each file old or new, never partial, though a multi-file
 not one atomic step.
 
 **Limits.** Each writable mount has a byte quota (the sum of its regular files' sizes; a write
-that would pass it writes what fits, then fails with ``ENOSPC``) and a file-count quota (files
-plus directories; ``EDQUOT``). Each run may hold at most ``Limits.open_files`` descriptors
+or truncate that would pass it writes what fits, then fails with ``ENOSPC``) and a file-count
+quota (files plus directories; ``EDQUOT``). Both count files, not names (``_Inode``): a file is
+counted while a name links to it or a descriptor holds it open, as a filesystem counts an
+inode, so a file unlinked or replaced while open still counts until its last descriptor is
+closed, and renames, replaces and truncation through any descriptor can never credit the same
+bytes twice. A mount that already holds more than its quotas may shrink, but not grow.
+Descriptors opened to append are ``O_APPEND`` on the host: the kernel puts each write at the
+end of the file, whatever the descriptor's position, and two of them interleave.
+Each run may hold at most ``Limits.open_files`` descriptors
 (``EMFILE``), so one run cannot take the host's descriptors from another; the host holds one
 directory descriptor per mount and one per open guest file, and closes all of them at the
 end of the run.
@@ -1497,6 +1509,22 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
         if records is not None:
             records.append(RefusedFile(path="/".join(path), reason=reason))
 
+    # Where the run changed a path's kind (a directory where the host has a file, or a file
+    # where it has a directory), the old entry must go before the new one can take its
+    # place, so those deletes come first. Every other delete waits for the puts: a changed
+    # file is replaced by one rename, so readers never see it missing.
+    dirs = {tuple(item["path"]) for item in journal["dirs"]}
+    puts = {tuple(item["path"]) for item in journal["puts"]}
+
+    def in_the_way(item: dict[str, Any]) -> bool:
+        path = tuple(item["path"])
+        if item["kind"] == "directory":
+            return path in puts
+        return path in dirs or any(path[:depth] in puts for depth in range(1, len(path)))
+
+    for item in journal["deletes"]:
+        if in_the_way(item):
+            _delete(host_fd, item)
     for item in journal["dirs"]:
         parts = item["path"]
         try:
@@ -1534,25 +1562,32 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
     finally:
         os.close(tree_fd)
     for item in journal["deletes"]:
-        parts = item["path"]
-        try:
-            parent = _walk_host(host_fd, parts[:-1], create=False)
-        except _Blocked:
-            continue
-        try:
-            st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
-            if st.st_ino != item["ino"] or (item["kind"] == "directory") != stat.S_ISDIR(
-                    st.st_mode):
-                continue  # replaced on the host since the run started: leave it
-            if item["kind"] == "directory":
-                os.rmdir(parts[-1], dir_fd=parent)
-            else:
-                os.unlink(parts[-1], dir_fd=parent)
-        except OSError:
-            pass  # gone already, or a directory that is not empty any more
-        finally:
-            os.close(parent)
+        if not in_the_way(item):
+            _delete(host_fd, item)
     return moved
+
+
+def _delete(host_fd: int, item: dict[str, Any]) -> None:
+    """Remove what the run deleted from the host directory, if the host still holds the
+    same entry there (files before directories: an emptied directory goes too)."""
+    parts = item["path"]
+    try:
+        parent = _walk_host(host_fd, parts[:-1], create=False)
+    except _Blocked:
+        return
+    try:
+        st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        if st.st_ino != item["ino"] or (item["kind"] == "directory") != stat.S_ISDIR(
+                st.st_mode):
+            return  # replaced on the host since the run started: leave it
+        if item["kind"] == "directory":
+            os.rmdir(parts[-1], dir_fd=parent)
+        else:
+            os.unlink(parts[-1], dir_fd=parent)
+    except OSError:
+        pass  # gone already, or a directory that is not empty any more
+    finally:
+        os.close(parent)
 
 
 # -- the run's lifecycle ---------------------------------------------------------------------

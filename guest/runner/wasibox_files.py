@@ -387,6 +387,8 @@ def _access(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=Tru
 def _truncate(path, length):
     if isinstance(path, int):
         return _ftruncate(path, length)
+    if length < 0:
+        raise _error(_files.ErrorCode.INVAL, path)  # before the path, as Linux checks
     fd = _os_open(path, os.O_WRONLY)
     try:
         _ftruncate(fd, length)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 import wasibox
@@ -266,9 +266,8 @@ class StagingWriter(Backend):
 
     name = "staging-writer"
 
-    def __init__(self, files: dict[str, bytes], links: dict[str, str] | None = None) -> None:
+    def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
-        self.links = links or {}
 
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         assert job.files is not None
@@ -279,8 +278,6 @@ class StagingWriter(Backend):
                 (tree / name).parent.mkdir(parents=True, exist_ok=True)
                 (tree / f"{name}.new").write_bytes(data)
                 os.replace(tree / f"{name}.new", tree / name)
-            for name, target in self.links.items():
-                os.link(tree / target, tree / name)
         return Outcome(exit_code=0)
 
 
@@ -336,32 +333,43 @@ def test_within_the_quota_the_writer_publishes(out: Path) -> None:
 
 # -- any sequence, straight against the host side ----------------------------------------------
 
-NAMES = ("/w/a", "/w/b", "/w/d", "/w/d/a")
+# Files are opened by the first names, directories made by the last: both can be renamed
+# over and unlinked by any.
+FILE_NAMES, DIR_NAMES = ("/w/a", "/w/b", "/w/d/a"), ("/w/d", "/w/e", "/w/d/a")
+NAMES = tuple(sorted(set(FILE_NAMES + DIR_NAMES)))
 SESSION_QUOTA_BYTES, SESSION_QUOTA_FILES = 64, 4
 ACCESS = {"r": _files.F_READ, "w": _files.F_WRITE, "rw": _files.F_READ | _files.F_WRITE}
-EXTRA_FLAGS = (_files.F_APPEND, _files.F_CREATE, _files.F_EXCL, _files.F_TRUNC)
+EXTRA_FLAGS = (_files.F_APPEND, _files.F_EXCL, _files.F_TRUNC)
 
 names = st.sampled_from(NAMES)
-slots = st.integers(0, 3)
-data = st.binary(min_size=1, max_size=40).map(lambda b: b.decode("latin-1"))
+slots = st.integers(0, 2)
+data = st.binary(min_size=1, max_size=SESSION_QUOTA_BYTES).map(lambda b: b.decode("latin-1"))
+# Mostly creating and writable: files must exist and fill before a bypass can show.
+opens = st.tuples(st.just("open"), st.sampled_from(FILE_NAMES),
+                  st.sampled_from(["w", "rw", "rw", "r"]),
+                  st.sets(st.sampled_from(EXTRA_FLAGS)).map(sorted),
+                  st.sampled_from([_files.F_CREATE] * 3 + [0]), slots)
+writes = st.tuples(st.just("write"), slots, data)
 session_ops = st.one_of(
-    st.tuples(st.just("open"), names, st.sampled_from(sorted(ACCESS)),
-              st.sets(st.sampled_from(EXTRA_FLAGS)), slots),
-    st.tuples(st.just("write"), slots, data),
+    opens, opens, writes, writes,
     st.tuples(st.just("pwrite"), slots, data, st.integers(0, 80)),
     st.tuples(st.just("seek"), slots, st.integers(0, 80)),
     st.tuples(st.just("truncate"), slots, st.integers(0, 80)),
     st.tuples(st.just("dup"), slots, slots),
     st.tuples(st.just("close"), slots),
-    st.tuples(st.sampled_from(["rename", "unlink", "mkdir", "rmdir"]), names, names),
+    *(st.tuples(st.just(kind), names, names) for kind in ("rename", "unlink")),
+    *(st.tuples(st.just(kind), st.sampled_from(DIR_NAMES), names) for kind in ("mkdir", "rmdir")),
 )
+#: Every sequence starts with two files open (one to append), so descriptors are at hand.
+START = [("open", "/w/a", "rw", [], _files.F_CREATE, 0),
+         ("open", "/w/b", "w", [_files.F_APPEND], _files.F_CREATE, 1)]
 
 
 def _apply(session: FileSession, fds: dict[int, int], op: tuple[Any, ...]) -> None:
     kind = op[0]
     if kind == "open":
-        _, path, access, extra, slot = op
-        fds[slot] = session.open(path, ACCESS[access] | sum(extra), 0o644)
+        _, path, access, extra, create, slot = op
+        fds[slot] = session.open(path, ACCESS[access] | sum(extra) | create, 0o644)
         return
     if kind in ("rename", "unlink", "mkdir", "rmdir"):
         path, other = op[1], op[2]
@@ -369,7 +377,9 @@ def _apply(session: FileSession, fds: dict[int, int], op: tuple[Any, ...]) -> No
          "mkdir": lambda: session.mkdir(path, 0o755), "rmdir": lambda: session.rmdir(path),
          }[kind]()
         return
-    fd = fds.get(op[1], -1)
+    # A descriptor operation works on one of the open descriptors (on none if none is open).
+    slot = sorted(fds)[op[1] % len(fds)] if fds else None
+    fd = -1 if slot is None else fds[slot]
     if kind == "write":
         session.write(fd, op[2])
     elif kind == "pwrite":
@@ -382,7 +392,7 @@ def _apply(session: FileSession, fds: dict[int, int], op: tuple[Any, ...]) -> No
         fds[op[2]] = session.dup(fd)
     else:
         session.close_fd(fd)
-        del fds[op[1]]
+        del fds[slot]
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +402,7 @@ def host_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @settings(max_examples=int(os.environ.get("WASIBOX_MOUNT_SOAK_EXAMPLES", 100)), deadline=None)
-@given(ops=st.lists(session_ops, max_size=40), shared=st.binary(max_size=30))
+@given(ops=st.lists(session_ops, min_size=10, max_size=60), shared=st.binary(max_size=30))
 def test_no_sequence_of_operations_holds_more_than_the_quota(host_dir: Path,
                                                               ops: list[tuple[Any, ...]],
                                                               shared: bytes) -> None:
@@ -405,8 +415,9 @@ def test_no_sequence_of_operations_holds_more_than_the_quota(host_dir: Path,
         session = FileSession([mount], open_files=8)
         tree = session.trees["/w"]
         fds: dict[int, int] = {}
+        peak = (0, 0)
         with session:
-            for op in ops:
+            for op in START + ops:
                 try:
                     _apply(session, fds, op)
                 except FilesError:
@@ -414,7 +425,11 @@ def test_no_sequence_of_operations_holds_more_than_the_quota(host_dir: Path,
                 used, files = held(tree)
                 assert used <= SESSION_QUOTA_BYTES and files <= SESSION_QUOTA_FILES, (op, used,
                                                                                       files)
+                peak = max(peak[0], used), max(peak[1], files)
             session.publish()
+        # Steer the search towards sequences that fill the mount: where a bypass would show.
+        target(peak[0], label="bytes held")
+        target(peak[1], label="files held")
         assert published(out)[0] <= SESSION_QUOTA_BYTES
         assert published(out)[1] <= SESSION_QUOTA_FILES
     finally:
