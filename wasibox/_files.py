@@ -47,16 +47,21 @@ inside, so every publish is a same-filesystem ``rename``). At the start of a run
 populated with hard links to the mount's current files (one ``link`` per file, no data copied)
 and the inode of each is remembered. A file shared with the host this way is copied before
 anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never
-touched during the run. When the run ends **ok** (exit status 0, no exception, no limit),
-:meth:`FileSession.publish` walks the tree without following anything and:
+touched during the run; descriptors already open on it move to the copy, so all of them see
+one file, as on a real filesystem. When the run ends **ok** (exit status 0, no exception, no
+limit), :meth:`FileSession.publish` walks the tree without following anything and:
 
+* measures what the tree holds and, if that is over the mount's quotas, publishes nothing
+  (``run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
+  guest writes the tree itself to the same quotas, and trusts no count kept during the run;
 * refuses, and reports in ``RunResult.files_refused``, every symlink, FIFO, device or socket,
   and every file hard-linked to an inode that was not in the mount at the start (the wasm
   guest cannot make these, but a backend whose guest writes the staging tree directly can);
 * writes a journal, then moves each new or changed file into the host directory with one
   ``rename`` (the file appears complete or not at all), creating host directories component
   by component, again never following a link; then removes what the guest deleted, if the
-  host still holds the same inode there;
+  host still holds the same inode there (first, where the guest put a directory in place of
+  a file or the reverse: the old entry must go before the new one can take its place);
 * returns a :class:`FileRecord` (guest path, size, sha256) for each file it published.
 
 Any other ending (an exception, a non-zero exit, a limit, a timeout, a cancel, a host error)
@@ -68,8 +73,15 @@ the host directory sees each file old or new, never partial, though a multi-file
 not one atomic step.
 
 **Limits.** Each writable mount has a byte quota (the sum of its regular files' sizes; a write
-that would pass it writes what fits, then fails with ``ENOSPC``) and a file-count quota (files
-plus directories; ``EDQUOT``). Each run may hold at most ``Limits.open_files`` descriptors
+or truncate that would pass it writes what fits, then fails with ``ENOSPC``) and a file-count
+quota (files plus directories; ``EDQUOT``). Both count files, not names (``_Inode``): a file is
+counted while a name links to it or a descriptor holds it open, as a filesystem counts an
+inode, so a file unlinked or replaced while open still counts until its last descriptor is
+closed, and renames, replaces and truncation through any descriptor can never credit the same
+bytes twice. A mount that already holds more than its quotas may shrink, but not grow.
+Descriptors opened to append are ``O_APPEND`` on the host: the kernel puts each write at the
+end of the file, whatever the descriptor's position, and two of them interleave.
+Each run may hold at most ``Limits.open_files`` descriptors
 (``EMFILE``), so one run cannot take the host's descriptors from another; the host holds one
 directory descriptor per mount and one per open guest file, and closes all of them at the
 end of the run.
@@ -110,6 +122,7 @@ __all__ = [
     "FileSession",
     "FilesError",
     "Mount",
+    "QuotaExceeded",
     "RefusedFile",
     "StatInfo",
     "check_mounts",
@@ -143,6 +156,11 @@ _ERRNO_NAMES = {
     errno.EDQUOT: "dquot", errno.ENAMETOOLONG: "nametoolong", errno.ENXIO: "nxio",
     errno.EFBIG: "fbig",
 }
+
+
+class QuotaExceeded(Exception):
+    """A writable mount's staging tree holds more than its quotas allow; nothing of the run
+    is published (``run_with_files`` reports it as the run's ``OSError``)."""
 
 
 class FilesError(Exception):
@@ -317,17 +335,43 @@ def _refusal(mode: int) -> str:
     return "not a regular file or directory"
 
 
+class _Inode:
+    """A file or directory of a writable mount's guest view, as the quotas count it.
+
+    Quotas count the underlying file, never a name: an inode is counted (its size against
+    the byte quota, itself against the file quota) while a name in the view links to it or
+    a guest descriptor holds it open, as a filesystem counts it until its last link is gone
+    and its last descriptor closed. So removing or replacing an open file frees nothing
+    until it is closed, and a file that is renamed, replaced or unlinked and then written
+    or truncated through a descriptor is still the one file it always was.
+    """
+
+    __slots__ = ("ino", "size", "links", "opens")
+
+    def __init__(self, ino: int, size: int) -> None:
+        self.ino = ino
+        self.size = size
+        self.links = 0  # names in the guest view (staging tree) that link to it
+        self.opens = 0  # open file descriptions (_Handle) that hold it
+
+
 class _Handle:
-    __slots__ = ("fd", "mounted", "readable", "writable", "append", "is_dir")
+    """An open file description: one host descriptor, shared by every guest descriptor that
+    ``dup`` made from the first (they share its position and flags, as on POSIX)."""
+
+    __slots__ = ("fd", "mounted", "readable", "writable", "append", "is_dir", "inode", "refs")
 
     def __init__(self, fd: int, mounted: _Mounted, readable: bool, writable: bool,
-                 append: bool, is_dir: bool) -> None:
+                 append: bool, is_dir: bool, inode: _Inode | None = None) -> None:
         self.fd = fd
         self.mounted = mounted
         self.readable = readable
         self.writable = writable
         self.append = append
         self.is_dir = is_dir
+        #: What the quotas count for it (None on a read-only mount and for a mount's root).
+        self.inode = inode
+        self.refs = 1  # guest descriptors that name it
 
 
 class _Mounted:
@@ -350,9 +394,65 @@ class _Mounted:
         #: inode -> the permission bits the guest set, where the disk keeps the owner access
         #: the host needs (see _owner_bits); shown by stat and published with the file.
         self.modes: dict[int, int] = {}
+        #: What the quotas count, by inode number of the guest view (see _Inode), and the
+        #: sum of their sizes.
+        self.inodes: dict[int, _Inode] = {}
         self.used_bytes = 0
-        self.used_files = 0
         self.quota_bytes = int(mount.quota_bytes)
+        #: What the view held when the run started: a mount already over its quota may keep
+        #: what it holds, but not grow.
+        self.baseline_bytes = 0
+        self.baseline_files = 0
+
+    # -- quota accounting -----------------------------------------------------------------
+    @property
+    def used_files(self) -> int:
+        return len(self.inodes)
+
+    def linked(self, st: os.stat_result) -> _Inode:
+        """Count one more name in the view linking to the file ``st`` describes."""
+        inode = self.inodes.get(st.st_ino)
+        if inode is None:
+            size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            inode = self.inodes[st.st_ino] = _Inode(st.st_ino, size)
+            self.used_bytes += size
+        inode.links += 1
+        return inode
+
+    def opened(self, st: os.stat_result) -> _Inode:
+        """Count a new open file description of the file ``st`` describes (which a name in
+        the view links to: it was just opened by one)."""
+        inode = self.inodes.get(st.st_ino)
+        if inode is None:
+            inode = self.linked(st)
+        inode.opens += 1
+        self.resize(inode, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+        return inode
+
+    def unlinked(self, st: os.stat_result) -> None:
+        """Count one name fewer linking to the file ``st`` described before it went."""
+        inode = self.inodes.get(st.st_ino)
+        if inode is not None:
+            inode.links -= 1
+            self.forget_if_unused(inode)
+
+    def closed(self, inode: _Inode) -> None:
+        inode.opens -= 1
+        self.forget_if_unused(inode)
+
+    def forget_if_unused(self, inode: _Inode) -> None:
+        if inode.links <= 0 and inode.opens <= 0 and self.inodes.get(inode.ino) is inode:
+            del self.inodes[inode.ino]
+            self.used_bytes -= inode.size
+
+    def resize(self, inode: _Inode, size: int) -> None:
+        self.used_bytes += size - inode.size
+        inode.size = size
+
+    def cap(self, inode: _Inode) -> int:
+        """The largest size ``inode`` may grow to within the byte quota (it may always keep
+        the size it has)."""
+        return max(inode.size, self.quota_bytes - (self.used_bytes - inode.size))
 
     # -- staging --------------------------------------------------------------------------
     def stage(self) -> None:
@@ -377,6 +477,7 @@ class _Mounted:
             os.close(staging)
         self.tree = self.run_dir / "tree"
         self._populate(self.host_fd, self.root_fd, ())
+        self.baseline_bytes, self.baseline_files = self.used_bytes, self.used_files
 
     def _populate(self, src_fd: int, dst_fd: int, rel: tuple[str, ...]) -> None:
         with os.scandir(src_fd) as entries:
@@ -393,13 +494,13 @@ class _Mounted:
                     os.mkdir(name, stat.S_IMODE(st.st_mode) | 0o700, dir_fd=dst_fd)
                     copy = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
                     try:
+                        self.linked(os.fstat(copy))
                         self._populate(child, copy, (*rel, name))
                     finally:
                         os.close(copy)
                 finally:
                     os.close(child)
                 self.baseline[(*rel, name)] = ("directory", st.st_ino)
-                self.used_files += 1
             elif stat.S_ISREG(st.st_mode):
                 try:
                     os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
@@ -407,8 +508,9 @@ class _Mounted:
                 except OSError:
                     continue  # e.g. protected_hardlinks: the file stays invisible to the guest
                 self.baseline[(*rel, name)] = ("regular", st.st_ino)
-                self.used_files += 1
-                self.used_bytes += st.st_size
+                # What was linked, not what was listed (the host may have replaced it since);
+                # a file with two names in the mount is one inode, counted once.
+                self.linked(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
             # Symlinks, FIFOs, devices and sockets in the host directory are not shown to
             # the guest of a writable mount, and publishing never touches them.
 
@@ -724,16 +826,20 @@ class FileSession:
         if not rel:
             raise FilesError("exist")
         _check_mode(mode)
-        self._charge_file(mounted, rel)
         parent = self._parent(mounted, rel)
         try:
-            os.mkdir(rel[-1], mode | 0o700, dir_fd=parent)
-            _remember_mode(mounted, os.stat(rel[-1], dir_fd=parent, follow_symlinks=False), mode)
+            name = rel[-1]
+            if _exists(parent, name):
+                raise FilesError("exist")  # before the quota, as a filesystem answers
+            self._charge_file(mounted, rel)
+            os.mkdir(name, (mode & 0o777) | 0o700, dir_fd=parent)
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            mounted.linked(st)
+            _remember_mode(mounted, st, mode)
         except OSError as exc:
             raise _from_os(exc) from None
         finally:
             os.close(parent)
-        mounted.used_files += 1
 
     def unlink(self, path: str) -> None:
         mounted, rel, wants_dir = self._mutable(path)
@@ -749,9 +855,7 @@ class FileSession:
             raise _from_os(exc) from None
         finally:
             os.close(parent)
-        mounted.used_files -= 1
-        if stat.S_ISREG(st.st_mode):
-            mounted.used_bytes -= st.st_size
+        mounted.unlinked(st)  # still counted while a descriptor holds it open
 
     def rmdir(self, path: str) -> None:
         mounted, rel, _ = self._mutable(path)
@@ -759,12 +863,13 @@ class FileSession:
             raise FilesError("acces")
         parent = self._parent(mounted, rel)
         try:
+            st = os.stat(rel[-1], dir_fd=parent, follow_symlinks=False)
             os.rmdir(rel[-1], dir_fd=parent)
         except OSError as exc:
             raise _from_os(exc) from None
         finally:
             os.close(parent)
-        mounted.used_files -= 1
+        mounted.unlinked(st)
 
     def rename(self, src: str, dst: str) -> None:
         source, src_rel, _ = self._locate(src)
@@ -799,10 +904,10 @@ class FileSession:
         finally:
             os.close(src_parent)
             os.close(dst_parent)
-        if replaced is not None:
-            target.used_files -= 1
-            if stat.S_ISREG(replaced.st_mode):
-                target.used_bytes -= replaced.st_size
+        if replaced is not None and replaced.st_ino != moved.st_ino:
+            # The replaced file loses this name; an open descriptor keeps it counted.
+            # (Two names of one file: rename does nothing, as POSIX says.)
+            target.unlinked(replaced)
 
     def chmod(self, path: str, mode: int) -> None:
         mounted, rel, _ = self._mutable(path)
@@ -860,7 +965,7 @@ class FileSession:
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 raise FilesError("nxio")
             if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                self._copy_up(parent, name)
+                self._guarded(lambda: self._copy_up(mounted, parent, name))
             flags = (_DIR_FLAGS if stat.S_ISDIR(st.st_mode)
                      else os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             fd = self._guarded(lambda: os.open(name, flags, dir_fd=parent))
@@ -878,13 +983,23 @@ class FileSession:
         except OSError as exc:
             raise _from_os(exc) from None
 
-    @staticmethod
-    def _copy_up(parent: int, name: str) -> None:
-        """Replace a staged hard link to a host file with a private copy of it."""
+    def _copy_up(self, mounted: _Mounted, parent: int, name: str) -> None:
+        """Replace a staged hard link to a host file with a private copy of it.
+
+        The copy is a new file for the quotas. Descriptors open on the shared file move to
+        the copy when no other name of the guest view still links to the shared one, so
+        every descriptor of the guest's file sees its changes, as on one filesystem (and
+        the shared file, no longer part of the view, stops being counted). Raises FilesError
+        ``nospc`` if the shared file stays in the view and its copy does not fit the quota.
+        """
         temp = f".wasibox-copy-{uuid.uuid4().hex[:12]}"
         src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
         try:
             st = os.fstat(src)
+            shared = mounted.inodes.get(st.st_ino)
+            if (shared is None or shared.links > 1) and (
+                    mounted.used_bytes + st.st_size > mounted.quota_bytes):
+                raise FilesError("nospc")
             dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=parent)
             try:
@@ -893,11 +1008,39 @@ class FileSession:
                     while view:
                         view = view[os.write(dst, view):]
                 os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                copied = os.fstat(dst)
             finally:
                 os.close(dst)
         finally:
             os.close(src)
         os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        copy = mounted.linked(copied)
+        if shared is None:
+            return
+        shared.links -= 1
+        if shared.links <= 0:
+            for handle in self._descriptions(self._handles):
+                if handle.inode is shared:
+                    self._reopen(handle, parent, name, copy)
+        mounted.forget_if_unused(shared)
+
+    @staticmethod
+    def _reopen(handle: _Handle, parent: int, name: str, inode: _Inode) -> None:
+        """Point an open file description at the file now named ``name``, keeping its host
+        descriptor number, access mode, flags and position."""
+        access = (os.O_RDWR if handle.readable and handle.writable
+                  else os.O_WRONLY if handle.writable else os.O_RDONLY)
+        fd = os.open(name, access | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | (os.O_APPEND if handle.append else 0), dir_fd=parent)
+        try:
+            os.lseek(fd, os.lseek(handle.fd, 0, os.SEEK_CUR), os.SEEK_SET)
+            os.dup2(fd, handle.fd, inheritable=False)
+        finally:
+            os.close(fd)
+        if handle.inode is not None:
+            handle.mounted.closed(handle.inode)
+        handle.inode = inode
+        inode.opens += 1
 
     def _charge_file(self, mounted: _Mounted, rel: tuple[str, ...]) -> None:
         if len(rel) > MAX_DEPTH:
@@ -918,12 +1061,18 @@ class FileSession:
         readable = bool(flags & F_READ) or not flags & F_WRITE
         writable = bool(flags & F_WRITE)
         if not rel:
-            if writable or flags & F_NOTDIR:
+            if flags & F_CREATE and flags & F_EXCL:
+                raise FilesError("exist")
+            if writable or flags & (F_NOTDIR | F_CREATE | F_TRUNC):
                 raise FilesError("isdir")
             fd = os.dup(mounted.root_fd)
             return self._add(_Handle(fd, mounted, True, False, False, True))
         os_flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         os_flags |= os.O_RDWR if readable and writable else os.O_WRONLY if writable else 0
+        if flags & F_APPEND:
+            # The kernel puts every write of an append descriptor at the end of the file,
+            # whatever its position (pwrite too, as Linux does): nothing here decides it.
+            os_flags |= os.O_APPEND
         if flags & F_DIRECTORY or wants_dir:
             os_flags |= os.O_DIRECTORY
         parent = self._parent(mounted, rel)
@@ -950,11 +1099,12 @@ class FileSession:
                     raise FilesError("loop")
                 if not (stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode)):
                     raise FilesError("nxio")
-                if stat.S_ISDIR(existing.st_mode) and (writable or flags & (F_TRUNC | F_NOTDIR)):
+                if stat.S_ISDIR(existing.st_mode) and (
+                        writable or flags & (F_TRUNC | F_NOTDIR | F_CREATE)):
                     raise FilesError("isdir")
                 if (mounted.writable and (writable or flags & F_TRUNC)
                         and existing.st_nlink > 1):
-                    self._guarded(lambda: self._copy_up(parent, name))
+                    self._guarded(lambda: self._copy_up(mounted, parent, name))
                 if flags & F_TRUNC and stat.S_ISREG(existing.st_mode):
                     os_flags |= os.O_TRUNC
             try:
@@ -967,13 +1117,14 @@ class FileSession:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             os.close(fd)  # replaced by something else between the check and the open
             raise FilesError("nxio")
-        if existing is None:
-            mounted.used_files += 1
-            _remember_mode(mounted, st, mode & 0o777)
-        elif os_flags & os.O_TRUNC:
-            mounted.used_bytes -= existing.st_size
+        inode = None
+        if mounted.writable:
+            if existing is None:
+                mounted.linked(st)
+                _remember_mode(mounted, st, mode & 0o777)
+            inode = mounted.opened(st)  # its size now: O_TRUNC may have emptied it
         return self._add(_Handle(fd, mounted, readable, writable, bool(flags & F_APPEND),
-                                 stat.S_ISDIR(st.st_mode)))
+                                 stat.S_ISDIR(st.st_mode), inode))
 
     def _add(self, handle: _Handle) -> int:
         number = FD_BASE
@@ -982,6 +1133,11 @@ class FileSession:
         self._handles[number] = handle
         return number
 
+    @staticmethod
+    def _descriptions(handles: dict[int, _Handle]) -> list[_Handle]:
+        """Each open file description once, however many descriptors ``dup`` gave it."""
+        return list({id(handle): handle for handle in handles.values()}.values())
+
     def _handle(self, fd: int) -> _Handle:
         handle = self._handles.get(fd)
         if handle is None:
@@ -989,15 +1145,39 @@ class FileSession:
         return handle
 
     def read(self, fd: int, size: int) -> str:
+        handle = self._readable(fd)
+        data = self._guarded(lambda: os.read(handle.fd, min(size, MAX_READ)))
+        return str(data.decode("latin-1"))
+
+    def pread(self, fd: int, size: int, offset: int) -> str:
+        """Read at ``offset`` without moving the descriptor's position."""
+        handle = self._readable(fd)
+        if offset < 0:
+            raise FilesError("inval")
+        data = self._guarded(lambda: os.pread(handle.fd, min(size, MAX_READ), offset))
+        return str(data.decode("latin-1"))
+
+    def _readable(self, fd: int) -> _Handle:
         handle = self._handle(fd)
         if handle.is_dir:
             raise FilesError("isdir")
         if not handle.readable:
             raise FilesError("badf")
-        data = self._guarded(lambda: os.read(handle.fd, min(size, MAX_READ)))
-        return str(data.decode("latin-1"))
+        return handle
 
     def write(self, fd: int, data: str) -> int:
+        """Write at the descriptor's position, or at the end of the file if it was opened
+        to append; returns the bytes written, fewer than given only at the byte quota."""
+        return self._write(fd, data, None)
+
+    def pwrite(self, fd: int, data: str, offset: int) -> int:
+        """Write at ``offset`` without moving the descriptor's position (at the end of the
+        file if it was opened to append, as on Linux)."""
+        if offset < 0:
+            raise FilesError("inval")
+        return self._write(fd, data, offset)
+
+    def _write(self, fd: int, data: str, offset: int | None) -> int:
         handle = self._handle(fd)
         if not handle.writable:
             raise FilesError("badf")
@@ -1005,18 +1185,28 @@ class FileSession:
             payload = data.encode("latin-1")
         except UnicodeEncodeError:
             raise FilesError("inval") from None
-        mounted = handle.mounted
-        size = self._guarded(lambda: os.fstat(handle.fd).st_size)
-        position = size if handle.append else self._guarded(
-            lambda: os.lseek(handle.fd, 0, os.SEEK_CUR))
-        room = mounted.quota_bytes - mounted.used_bytes
-        if position + len(payload) - size > room:
-            fits = max(size + room - position, 0)
-            if fits == 0:
+        if not payload:
+            return 0
+        mounted, inode = handle.mounted, handle.inode
+        assert inode is not None  # a writable descriptor is a file of a writable mount
+        size: int = self._guarded(lambda: os.fstat(handle.fd).st_size)
+        if handle.append:
+            position = size
+        elif offset is None:
+            position = self._guarded(lambda: os.lseek(handle.fd, 0, os.SEEK_CUR))
+        else:
+            position = offset
+        mounted.resize(inode, size)
+        cap = mounted.cap(inode)
+        if position + len(payload) > cap:
+            fits = cap - position
+            if fits <= 0:
                 raise FilesError("nospc")
             payload = payload[:fits]
-        written: int = self._guarded(lambda: os.write(handle.fd, payload))
-        mounted.used_bytes += max(position + written - size, 0)
+        written: int = self._guarded(
+            lambda: os.write(handle.fd, payload) if offset is None
+            else os.pwrite(handle.fd, payload, offset))
+        mounted.resize(inode, max(size, position + written))
         return written
 
     def seek(self, fd: int, offset: int, whence: int) -> int:
@@ -1027,21 +1217,41 @@ class FileSession:
         return position
 
     def truncate(self, fd: int, size: int) -> None:
+        """Set the size of the descriptor's file, wherever its names have gone since."""
         handle = self._handle(fd)
-        if not handle.writable:
-            raise FilesError("badf" if handle.mounted.writable else "rofs")
-        mounted = handle.mounted
-        current = self._guarded(lambda: os.fstat(handle.fd).st_size)
-        if size - current > mounted.quota_bytes - mounted.used_bytes:
+        mounted, inode = handle.mounted, handle.inode
+        if not mounted.writable:
+            raise FilesError("rofs")
+        if not handle.writable or inode is None or size < 0:
+            raise FilesError("inval")  # as Linux answers for a descriptor not open to write
+        current: int = self._guarded(lambda: os.fstat(handle.fd).st_size)
+        mounted.resize(inode, current)
+        if size > mounted.cap(inode):
             raise FilesError("nospc")
         self._guarded(lambda: os.ftruncate(handle.fd, size))
-        mounted.used_bytes += size - current
+        mounted.resize(inode, size)
+
+    def dup(self, fd: int) -> int:
+        """Another descriptor for the same open file: both share its position and flags."""
+        handle = self._handle(fd)
+        if len(self._handles) >= self._open_files:
+            raise FilesError("mfile")
+        handle.refs += 1
+        return self._add(handle)
 
     def close_fd(self, fd: int) -> None:
         handle = self._handles.pop(fd, None)
         if handle is None:
             raise FilesError("badf")
+        handle.refs -= 1
+        if handle.refs == 0:
+            self._release(handle)
+
+    @staticmethod
+    def _release(handle: _Handle) -> None:
         os.close(handle.fd)
+        if handle.inode is not None:
+            handle.mounted.closed(handle.inode)  # an unlinked file stops counting here
 
     def fstat(self, fd: int) -> StatInfo:
         handle = self._handle(fd)
@@ -1050,17 +1260,20 @@ class FileSession:
     # -- the end of the run -----------------------------------------------------------------
     def _close_handles(self) -> None:
         handles, self._handles = self._handles, {}
-        for handle in handles.values():
+        for handle in self._descriptions(handles):
             try:
-                os.close(handle.fd)
+                self._release(handle)
             except OSError:
                 pass
 
     def publish(self) -> tuple[list[FileRecord], list[RefusedFile]]:
         """Move every writable mount's new and changed files into its host directory.
 
-        Returns what was published and what was refused. Raises OSError only for a failure
-        of the host itself (a full host disk); the staging is discarded either way.
+        Returns what was published and what was refused. Raises QuotaExceeded, publishing
+        nothing, if what a staging tree holds is over its mount's quotas (however it got
+        there: this counts what is in the tree, not what the run's accounting says), and
+        OSError only for a failure of the host itself (a full host disk); the staging is
+        discarded either way.
         """
         if self._closed or self.published:
             raise RuntimeError("this file session is closed or already published")
@@ -1068,9 +1281,11 @@ class FileSession:
         records: list[FileRecord] = []
         refused: list[RefusedFile] = list(self._refused)
         try:
-            for mounted in self._mounted:
-                if mounted.tree is not None:
-                    _publish(mounted, records, refused)
+            # Every mount is planned, and held to its quotas, before anything is moved.
+            plans = [(mounted, _plan_mount(mounted)) for mounted in self._mounted
+                     if mounted.tree is not None]
+            for mounted, plan in plans:
+                _publish(mounted, plan, records, refused)
         finally:
             self.published = True
             self.close()
@@ -1087,6 +1302,14 @@ class FileSession:
             mounted.discard()
 
 
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _encodable(name: str) -> bool:
     try:
         name.encode("utf-8")
@@ -1097,25 +1320,63 @@ def _encodable(name: str) -> bool:
 
 # -- publishing ------------------------------------------------------------------------------
 
-def _publish(mounted: _Mounted, records: list[FileRecord], refused: list[RefusedFile]) -> None:
+@dataclasses.dataclass
+class _Plan:
+    """What publishing one writable mount will do, found by walking its staging tree."""
+
+    puts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    dirs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: Paths (relative to the mount) of the host's entries still in the tree.
+    seen: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    #: Refusals, with paths relative to the mount.
+    refused: list[RefusedFile] = dataclasses.field(default_factory=list)
+    #: Inode -> size of every regular file the mount will hold, and its directories.
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    directories: int = 0
+
+
+def _plan_mount(mounted: _Mounted) -> _Plan:
+    """Walk a staging tree, digest what changed, and check the result against the quotas.
+
+    Raises QuotaExceeded if the mount would hold more bytes or files than its quotas allow
+    (or than it held at the start, if that was more).
+    """
     assert mounted.run_dir is not None
-    local: list[RefusedFile] = []  # paths relative to the mount until the end
+    plan = _Plan()
     run_fd = os.open(mounted.run_dir, _DIR_FLAGS)
     try:
         tree_fd = os.open("tree", _DIR_FLAGS, dir_fd=run_fd)
-        seen: set[tuple[str, ...]] = set()
-        puts: list[dict[str, Any]] = []
-        dirs: list[dict[str, Any]] = []
-        inodes = {ino for kind, ino in mounted.baseline.values() if kind == "regular"}
         try:
-            _plan(mounted, tree_fd, (), seen, puts, dirs, inodes, local)
+            inodes = {ino for kind, ino in mounted.baseline.values() if kind == "regular"}
+            _plan(mounted, tree_fd, (), plan, inodes)
         finally:
             os.close(tree_fd)
+    finally:
+        os.close(run_fd)
+    used_bytes, used_files = sum(plan.sizes.values()), len(plan.sizes) + plan.directories
+    quota_bytes = max(mounted.quota_bytes, mounted.baseline_bytes)
+    quota_files = max(mounted.mount.quota_files, mounted.baseline_files)
+    where = mounted.mount.guest_path
+    if used_bytes > quota_bytes:
+        raise QuotaExceeded(f"the run left {used_bytes} bytes in {where!r}, over its quota "
+                            f"of {quota_bytes}")
+    if used_files > quota_files:
+        raise QuotaExceeded(f"the run left {used_files} files and directories in {where!r}, "
+                            f"over its quota of {quota_files}")
+    return plan
+
+
+def _publish(mounted: _Mounted, plan: _Plan, records: list[FileRecord],
+             refused: list[RefusedFile]) -> None:
+    assert mounted.run_dir is not None
+    local = plan.refused  # paths relative to the mount until the end
+    run_fd = os.open(mounted.run_dir, _DIR_FLAGS)
+    try:
         deletes: list[dict[str, Any]] = [{"path": list(rel), "kind": kind, "ino": ino}
-                   for rel, (kind, ino) in mounted.baseline.items() if rel not in seen]
+                   for rel, (kind, ino) in mounted.baseline.items() if rel not in plan.seen]
         # Files before directories, deepest first, so emptied directories can go too.
         deletes.sort(key=lambda item: (item["kind"] == "directory", -len(item["path"])))
-        journal = {"dirs": dirs, "puts": puts, "deletes": deletes}
+        journal = {"dirs": plan.dirs, "puts": plan.puts, "deletes": deletes}
         _write_journal(run_fd, journal)
         host_fd = os.open(mounted.host, _DIR_FLAGS)
         try:
@@ -1127,7 +1388,7 @@ def _publish(mounted: _Mounted, records: list[FileRecord], refused: list[Refused
                 os.close(staging_fd)
         finally:
             os.close(host_fd)
-        for put in puts:
+        for put in plan.puts:
             if tuple(put["path"]) in published:
                 records.append(FileRecord(path=_guest(mounted, put["path"]), size=put["size"],
                                           sha256=put["sha256"]))
@@ -1142,9 +1403,8 @@ def _guest(mounted: _Mounted, rel: Sequence[str]) -> str:
     return "/".join((mounted.mount.guest_path, *rel))
 
 
-def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[str, ...]],
-          puts: list[dict[str, Any]], dirs: list[dict[str, Any]], inodes: set[int],
-          refused: list[RefusedFile]) -> None:
+def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], plan: _Plan,
+          inodes: set[int]) -> None:
     with os.scandir(dir_fd) as listing:
         names = sorted(entry.name for entry in listing)
     for name in names:
@@ -1152,24 +1412,26 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         baseline = mounted.baseline.get(path)
         if stat.S_ISDIR(st.st_mode) and len(path) > MAX_DEPTH:
-            refused.append(RefusedFile(path="/".join(path), reason="nested too deep"))
+            plan.refused.append(RefusedFile(path="/".join(path), reason="nested too deep"))
         elif stat.S_ISDIR(st.st_mode):
+            plan.directories += 1
             if baseline is not None and baseline[0] == "directory":
-                seen.add(path)
+                plan.seen.add(path)
             else:
-                dirs.append({"path": list(path),
-                             "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
+                plan.dirs.append({"path": list(path),
+                                  "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
             child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
             try:
-                _plan(mounted, child, path, seen, puts, dirs, inodes, refused)
+                _plan(mounted, child, path, plan, inodes)
             finally:
                 os.close(child)
         elif stat.S_ISREG(st.st_mode):
             if baseline == ("regular", st.st_ino):
-                seen.add(path)  # the host's own file, unchanged
+                plan.seen.add(path)  # the host's own file, unchanged
+                plan.sizes[st.st_ino] = st.st_size
                 continue
             if st.st_nlink > 1 and st.st_ino not in inodes:
-                refused.append(RefusedFile(path="/".join(path), reason="hard link"))
+                plan.refused.append(RefusedFile(path="/".join(path), reason="hard link"))
                 continue
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                          dir_fd=dir_fd)
@@ -1182,11 +1444,12 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            puts.append({"path": list(path), "size": size, "sha256": digest.hexdigest(),
-                         "ino": st.st_ino,
-                         "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
+            plan.sizes[st.st_ino] = size
+            plan.puts.append({"path": list(path), "size": size, "sha256": digest.hexdigest(),
+                              "ino": st.st_ino,
+                              "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
         else:
-            refused.append(RefusedFile(path="/".join(path), reason=_refusal(st.st_mode)))
+            plan.refused.append(RefusedFile(path="/".join(path), reason=_refusal(st.st_mode)))
 
 
 def _write_journal(run_fd: int, journal: dict[str, Any]) -> None:
@@ -1302,6 +1565,22 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
         if records is not None:
             records.append(RefusedFile(path="/".join(path), reason=reason))
 
+    # Where the run changed a path's kind (a directory where the host has a file, or a file
+    # where it has a directory), the old entry must go before the new one can take its
+    # place, so those deletes come first. Every other delete waits for the puts: a changed
+    # file is replaced by one rename, so readers never see it missing.
+    dirs = {tuple(item["path"]) for item in journal["dirs"]}
+    puts = {tuple(item["path"]) for item in journal["puts"]}
+
+    def in_the_way(item: dict[str, Any]) -> bool:
+        path = tuple(item["path"])
+        if item["kind"] == "directory":
+            return path in puts
+        return path in dirs or any(path[:depth] in puts for depth in range(1, len(path)))
+
+    for item in journal["deletes"]:
+        if in_the_way(item):
+            _delete(host_fd, item)
     for item in journal["dirs"]:
         parts = item["path"]
         try:
@@ -1350,25 +1629,32 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
         finally:
             os.close(parent)
     for item in journal["deletes"]:
-        parts = item["path"]
-        try:
-            parent = _walk_host(host_fd, parts[:-1], create=False)
-        except _Blocked:
-            continue
-        try:
-            st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
-            if st.st_ino != item["ino"] or (item["kind"] == "directory") != stat.S_ISDIR(
-                    st.st_mode):
-                continue  # replaced on the host since the run started: leave it
-            if item["kind"] == "directory":
-                os.rmdir(parts[-1], dir_fd=parent)
-            else:
-                os.unlink(parts[-1], dir_fd=parent)
-        except OSError:
-            pass  # gone already, or a directory that is not empty any more
-        finally:
-            os.close(parent)
+        if not in_the_way(item):
+            _delete(host_fd, item)
     return moved
+
+
+def _delete(host_fd: int, item: dict[str, Any]) -> None:
+    """Remove what the run deleted from the host directory, if the host still holds the
+    same entry there (files before directories: an emptied directory goes too)."""
+    parts = item["path"]
+    try:
+        parent = _walk_host(host_fd, parts[:-1], create=False)
+    except _Blocked:
+        return
+    try:
+        st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        if st.st_ino != item["ino"] or (item["kind"] == "directory") != stat.S_ISDIR(
+                st.st_mode):
+            return  # replaced on the host since the run started: leave it
+        if item["kind"] == "directory":
+            os.rmdir(parts[-1], dir_fd=parent)
+        else:
+            os.unlink(parts[-1], dir_fd=parent)
+    except OSError:
+        pass  # gone already, or a directory that is not empty any more
+    finally:
+        os.close(parent)
 
 
 # -- the run's lifecycle ---------------------------------------------------------------------
@@ -1381,6 +1667,11 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult],
     With ``control``, a run cancelled before its files are published publishes nothing:
     its staging is discarded and its result says ``cancelled``. Publishing, once begun, is
     atomic and completes.
+
+    A run that ends ok but leaves a writable mount over its quotas (possible only for a
+    backend whose guest writes its staging tree itself, such as the microVM's) publishes
+    nothing: its result is not ok, with exit status 1 and an ``OSError`` error saying which
+    quota, ending "nothing was published".
 
     Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
     """
@@ -1403,6 +1694,12 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult],
                                            limit_exceeded=Limit.CANCELLED)
         try:
             records, refused = session.publish()
+        except QuotaExceeded as exc:
+            from ._result import GuestException
+
+            error = GuestException(type="OSError", traceback="",
+                                   message=f"{exc}: nothing was published")
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
         except OSError as exc:
             # The host's disk is full: a guest can fill it up to its quota when the quota is
             # larger than the disk. The staging is gone; the run reports it and does not raise.

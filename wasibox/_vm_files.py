@@ -35,8 +35,9 @@ holds mounts in its RAM, so their contents may take at most a quarter of ``memor
 and ``MAX_COPY_ENTRIES`` entries (UsageError otherwise, before anything runs). A writable
 mount's tmpfs in the VM admits at least what the wasm backend's quota admits (its bytes
 plus a page per file); the exact quota (bytes and entries, with the wasm backend's rule
-that a mount already over it may not grow) is checked when the changes come back, and a
-run over it fails with an ``OSError`` and publishes nothing. On wasm the write itself would
+that a mount already over it may not grow) is checked when the changes come back, and again
+by publishing, on what the staging tree then holds; a run over it fails with an ``OSError``
+and publishes nothing. On wasm the write itself would
 fail with ``ENOSPC``; this is the one difference a program can see. Both copies happen
 inside the run's ``timeout_s``: a run whose copy is cut short by it reports ``"timeout"``.
 """
@@ -52,7 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._errors import UsageError
-from ._files import MAX_DEPTH, STAGING_DIR, FileSession, Mount, _Blocked, _walk_host
+from ._files import MAX_DEPTH, STAGING_DIR, FileSession, Mount, QuotaExceeded, _Blocked, _walk_host
 
 __all__ = ["MAX_COPY_ENTRIES", "CopyIn", "CopyOut", "QuotaExceeded", "copy_in_caps"]
 
@@ -67,10 +68,6 @@ _MAX_NAME = 255
 _MAX_PATH = 4096
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class QuotaExceeded(Exception):
-    """A writable mount came back holding more than its quota."""
 
 
 def copy_in_caps(memory_bytes: int) -> tuple[int, int]:

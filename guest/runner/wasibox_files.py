@@ -41,7 +41,7 @@ _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}
 
 _real = {name: getattr(os, name) for name in (
     "read", "write", "close", "lseek", "fstat", "ftruncate", "fsync", "isatty", "listdir",
-    "scandir", "stat", "fdatasync")}
+    "scandir", "stat", "fdatasync", "dup", "pread", "pwrite")}
 _real_open = io.open
 
 _fds = set()  # descriptors the host gave this run
@@ -137,6 +137,32 @@ def _write(fd, data):
     return _call(_files.write, fd, bytes(data).decode("latin-1"))
 
 
+def _pread(fd, size, offset):
+    if fd not in _fds:
+        return _real["pread"](fd, size, offset)
+    if size < 0:
+        raise ValueError("negative size")
+    if offset < 0:
+        raise _error(_files.ErrorCode.INVAL)
+    return _call(_files.pread, fd, size, offset).encode("latin-1")
+
+
+def _pwrite(fd, data, offset):
+    if fd not in _fds:
+        return _real["pwrite"](fd, data, offset)
+    if offset < 0:
+        raise _error(_files.ErrorCode.INVAL)
+    return _call(_files.pwrite, fd, bytes(data).decode("latin-1"), offset)
+
+
+def _dup(fd):
+    if fd not in _fds:
+        return _real["dup"](fd)
+    new = _call(_files.dup, fd)
+    _fds.add(new)
+    return new
+
+
 def _close(fd):
     if fd not in _fds:
         return _real["close"](fd)
@@ -159,6 +185,8 @@ def _fstat(fd):
 def _ftruncate(fd, length):
     if fd not in _fds:
         return _real["ftruncate"](fd, length)
+    if length < 0:
+        raise _error(_files.ErrorCode.INVAL)
     _call(_files.truncate, fd, length)
 
 
@@ -363,6 +391,8 @@ def _access(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=Tru
 def _truncate(path, length):
     if isinstance(path, int):
         return _ftruncate(path, length)
+    if length < 0:
+        raise _error(_files.ErrorCode.INVAL, path)  # before the path, as Linux checks
     fd = _os_open(path, os.O_WRONLY)
     try:
         _ftruncate(fd, length)
@@ -561,6 +591,7 @@ def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None
 
 _PATCHES = {
     "open": _os_open, "read": _read, "write": _write, "close": _close, "lseek": _lseek,
+    "pread": _pread, "pwrite": _pwrite, "dup": _dup,
     "fstat": _fstat, "ftruncate": _ftruncate, "fsync": _fsync, "fdatasync": _fdatasync,
     "isatty": _isatty, "stat": _os_stat, "lstat": _lstat, "listdir": _listdir,
     "scandir": _scandir, "mkdir": _mkdir, "unlink": _unlink, "remove": _unlink,

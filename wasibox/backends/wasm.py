@@ -329,13 +329,15 @@ def _subscribe(run: _Run, context: Any, ns: int) -> None:
 #: Python classes, and as a Variant when they share one (string ok + enum err).
 _FILE_OPS = (
     ("open", "open", False), ("read", "read", True), ("write", "write", False),
+    ("pread", "pread", True), ("pwrite", "pwrite", False), ("dup", "dup", False),
     ("seek", "seek", False), ("truncate", "truncate", False), ("close", "close_fd", False),
     ("fstat", "fstat", True), ("stat", "stat", True), ("readdir", "readdir", True),
     ("mkdir", "mkdir", False), ("unlink", "unlink", False), ("rmdir", "rmdir", False),
     ("rename", "rename", False), ("chmod", "chmod", False), ("utime", "utime", False),
     ("link", "link", False), ("symlink", "symlink", False), ("readlink", "readlink", True),
 )
-_FD_OPS = frozenset({"read", "write", "seek", "truncate", "close_fd", "fstat"})
+_FD_OPS = frozenset({"read", "write", "pread", "pwrite", "dup", "seek", "truncate", "close_fd",
+                     "fstat"})
 
 
 def _file_op(method: str, tagged: bool) -> Any:
