@@ -135,7 +135,8 @@ def test_the_cli_says_how_much_fuel_was_used_and_how_to_raise_it() -> None:
                            "while True: pass"], capture_output=True, text=True,
                           env=child_env(), timeout=120)
     assert done.returncode == 124, done.stderr
-    assert "used all of its fuel (3,000,000 units" in done.stderr
+    assert "exceeded its fuel limit (its deterministic CPU budget) after using 3,000,000 " \
+        "units" in done.stderr
     assert "--fuel" in done.stderr
 
 

@@ -68,9 +68,9 @@ def parse_size(value: int | str, name: str) -> int:
 
 def fuel_advice(fuel_used: int) -> str:
     """The words for a run that ran out of fuel: how much it used and how to give it more."""
-    return (f"the run used all of its fuel ({fuel_used:,} units, its deterministic CPU "
-            "budget); raise it with Limits(fuel=...), --fuel on the command line, or "
-            "limits.fuel in a configuration file")
+    return (f"the run exceeded its fuel limit (its deterministic CPU budget) after using "
+            f"{fuel_used:,} units; raise it with Limits(fuel=...), --fuel on the command line, "
+            "or limits.fuel in a configuration file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, init=False)
