@@ -138,6 +138,11 @@ def test_the_cli_says_how_much_fuel_was_used_and_how_to_raise_it() -> None:
     assert "exceeded its fuel limit (its deterministic CPU budget) after using 3,000,000 " \
         "units" in done.stderr
     assert "--fuel" in done.stderr
+    # Only a timeout: the loop runs until the timeout, the issue's `--timeout 30` case.
+    done = subprocess.run([PYTHON, "-m", "wasibox", "run", "--timeout", "1", "-c",
+                           "while True: pass"], capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert done.returncode == 124 and "exceeded its timeout limit" in done.stderr, done.stderr
 
 
 @pytest.mark.guest

@@ -803,3 +803,14 @@ def test_a_policy_too_small_for_the_microvm_is_reported_at_start() -> None:
     assert "tenants.agent.limits.memory_bytes is 128 MiB" in warnings[0]
     assert "192MiB" in warnings[0] and 'backend = "wasm"' in warnings[0]
     assert agent_policy(limits={"memory_bytes": "128MiB"}, backend="wasm").warnings() == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "example.com"])
+def test_the_unauthenticated_http_transport_listens_only_on_loopback(tmp_path: Path,
+                                                                    host: str) -> None:
+    done = subprocess.run([PYTHON, "-m", "wasibox", "mcp", "--transport", "http", "--host",
+                           host, "--port", str(free_port())], capture_output=True, text=True,
+                          env=server_env(tmp_path / "tmp"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"listens only on a loopback address (127.0.0.1, ::1, localhost), not {host!r}" \
+        in done.stderr

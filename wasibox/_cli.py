@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  wasibox mcp                                        # stdio, defaults\n"
                "  wasibox mcp --config wasibox.toml                  # stdio\n"
                "  wasibox mcp --config wasibox.toml --transport http --port 8765\n"
-               "The HTTP transport has no authentication: keep it on a loopback address.",
+               "The HTTP transport has no authentication, so it listens only on a loopback\n"
+               "address; put an authenticating proxy in front to reach it from elsewhere.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     mcp.add_argument("--config", metavar="FILE",
                      help="the TOML configuration, the same format as 'wasibox serve' "
@@ -156,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="stdio for a client that starts the server, or streamable HTTP "
                           "(default: %(default)s)")
     mcp.add_argument("--host", default="127.0.0.1",
-                     help="HTTP address to listen on (default: %(default)s)")
+                     help="HTTP address to listen on, a loopback one (default: %(default)s)")
     mcp.add_argument("--port", type=int, default=8765,
                      help="HTTP port to listen on (default: %(default)s)")
     mcp.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",

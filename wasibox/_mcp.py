@@ -35,6 +35,7 @@ import asyncio
 import base64
 import dataclasses
 import inspect
+import ipaddress
 import json
 import os
 import re
@@ -94,7 +95,8 @@ class McpPolicy:
     def default(cls) -> McpPolicy:
         """The policy of ``wasibox mcp`` without a configuration: default limits, no network,
         no host functions, no mounts."""
-        return cls("default", TenantConfig().limits.to_limits(), TenantConfig(), {})
+        config = TenantConfig()
+        return cls("default", config.limits.to_limits(), config, {})
 
     @classmethod
     def from_config(cls, config: Config, tenant: str | None = None) -> McpPolicy:
@@ -745,14 +747,26 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def serve_mcp(config_path: str | None = None, *, tenant: str | None = None,
               transport: Literal["stdio", "http"] = "stdio", host: str = "127.0.0.1",
               port: int = 8765, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
     """Run ``wasibox mcp`` until stopped; without ``config_path``, under the default policy.
 
     Warnings about the policy go to stderr (a stdio client's log). Raises ConfigError for a
-    bad config, or for ``tenant`` without a config.
+    bad config, or for ``tenant`` without a config, and UsageError for an HTTP ``host`` that
+    is not a loopback address (the transport has no authentication).
     """
+    if transport == "http" and not _loopback(host):
+        raise UsageError(f"the MCP HTTP transport has no authentication, so it listens only on "
+                         f"a loopback address (127.0.0.1, ::1, localhost), not {host!r}; to "
+                         "reach it from elsewhere, put an authenticating proxy in front of it")
     if config_path is None:
         if tenant is not None:
             raise ConfigError("--tenant names a tenant of a configuration: give --config too")
