@@ -5,8 +5,8 @@ Policy. With no configuration the server is safe as it stands: wasibox's default
 network, no host functions, no mounts, only the session's workspace. A configuration (the same
 TOML file as ``wasibox serve``, ``wasibox._config``) adds one tenant's limits, mounts, HTTP
 allowlist, host functions and backend; its ``token_sha256`` is not needed (stdio reaches only
-the process that started the server, and the HTTP transport has no authentication: keep it
-on loopback). Nothing a tool call sends can change the policy: the tools take code, a timeout
+the process that started the server, and the HTTP transport has no authentication, so it
+listens only on loopback). Nothing a tool call sends can change the policy: the tools take code, a timeout
 that is clamped to the policy's, and workspace-relative paths. Errors a model receives name
 the configuration keys the operator can change, never a Python API the model cannot call.
 
