@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -452,3 +453,17 @@ def test_serve_refuses_a_tenant_without_a_token(tmp_path: Path) -> None:
                             capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.returncode == 2
     assert "tenants.carol.token_sha256: wasibox serve needs it" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
+                    reason="QEMU (qemu-system-x86_64) is not installed, so no run can need "
+                           "the microVM's memory")
+def test_serve_warns_of_a_memory_limit_the_microvm_cannot_meet(tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(f'[tenants.carol]\ntoken_sha256 = "{hash_token("t")}"\n'
+                      'limits = { memory_bytes = "128MiB" }\n')
+    live = Server(config)
+    live.stop()
+    logged = "".join(live.lines)
+    assert "wasibox serve: warning: tenants.carol.limits.memory_bytes is 128 MiB, below the " \
+        "microVM's minimum of 192 MiB" in logged

@@ -15,8 +15,9 @@ Example::
     max_concurrency = 4              # runs executing at once for this tenant
     max_queue = 16                   # more wait; beyond that, 429
     rate_limit = { per_second = 20, burst = 40 }
-    limits = { fuel = 1_000_000_000, memory_bytes = "128MiB", timeout_s = 2 }
+    limits = { fuel = 1_000_000_000, memory_bytes = "256MiB", timeout_s = 2 }
     functions = { lookup = "myapp.sandbox_functions:lookup" }
+    backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
@@ -267,6 +268,20 @@ class TenantConfig(_Strict):
                 f"{MIN_MEMORY_BYTES // 2**20} MiB, so no run could start: raise it to at least "
                 f'"{MIN_MEMORY_BYTES // 2**20}MiB"')
         return self
+
+    def warnings(self, tenant: str) -> list[str]:
+        """What the operator should know at start-up: a policy that defeats part of itself
+        on this machine (the file is valid, so these do not refuse it)."""
+        from .backends.microvm import MIN_MEMORY_BYTES, microvm_available
+
+        memory = self.limits.to_limits().memory_bytes
+        if self.backend == "auto" and memory < MIN_MEMORY_BYTES and microvm_available():
+            return [f"tenants.{tenant}.limits.memory_bytes is {memory // 2**20} MiB, below the "
+                    f"microVM's minimum of {MIN_MEMORY_BYTES // 2**20} MiB: code that needs the "
+                    "microVM (numpy, pandas, ...) will fail; raise it to at least "
+                    f'"{MIN_MEMORY_BYTES // 2**20}MiB", or set backend = "wasm" to keep every '
+                    "run in WebAssembly"]
+        return []
 
     def resolve_functions(self, tenant: str) -> dict[str, Callable[..., Any]]:
         """Import each host function. Raises ConfigError naming the key that fails."""

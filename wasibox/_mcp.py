@@ -6,9 +6,10 @@ network, no host functions, no mounts, only the session's workspace. A configura
 TOML file as ``wasibox serve``, ``wasibox._config``) adds one tenant's limits, mounts, HTTP
 allowlist, host functions and backend; its ``token_sha256`` is not needed (stdio reaches only
 the process that started the server, and the HTTP transport has no authentication, so it
-listens only on loopback). Nothing a tool call sends can change the policy: the tools take code, a timeout
-that is clamped to the policy's, and workspace-relative paths. Errors a model receives name
-the configuration keys the operator can change, never a Python API the model cannot call.
+listens only on loopback). Nothing a tool call sends can change the policy: the tools take
+code, a timeout that is clamped to the policy's, and workspace-relative paths. Errors a model
+receives name the configuration keys the operator can change, never a Python API the model
+cannot call.
 
 Sessions. Every MCP session gets its own workspace directory, mounted writable at
 ``/workspace`` in each run, so files persist from call to call; every ``run_python`` still
@@ -123,18 +124,8 @@ class McpPolicy:
                        allow_emulation=self.config.allow_emulation)
 
     def warnings(self) -> list[str]:
-        """What the operator should know at start-up: a policy that defeats part of itself."""
-        from .backends.microvm import MIN_MEMORY_BYTES, microvm_available
-
-        memory = self.limits.memory_bytes
-        if (self.config.backend == "auto" and memory < MIN_MEMORY_BYTES
-                and microvm_available()):
-            return [f"tenants.{self.tenant}.limits.memory_bytes is {memory // 2**20} MiB, "
-                    f"below the microVM's minimum of {MIN_MEMORY_BYTES // 2**20} MiB: code "
-                    "that needs the microVM (numpy, pandas, ...) will fail; raise it to at "
-                    f'least "{MIN_MEMORY_BYTES // 2**20}MiB", or set backend = "wasm" to '
-                    "keep every run in WebAssembly"]
-        return []
+        """What the operator should know at start-up (see ``TenantConfig.warnings``)."""
+        return self.config.warnings(self.tenant)
 
 
 class WorkspaceStore:

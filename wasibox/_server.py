@@ -559,6 +559,9 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8080, *,
     from ._config import load_config
 
     config = load_config(config_path)
+    for name, tenant in config.tenants.items():
+        for warning in tenant.warnings(name):
+            print(f"wasibox serve: warning: {warning}", file=sys.stderr, flush=True)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
