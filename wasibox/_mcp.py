@@ -313,26 +313,27 @@ class RunReport(BaseModel):
 
 
 def structured_result(result: RunResult, notes: list[str]) -> dict[str, Any]:
-    """The ``structured_content`` of a run_python result (see ``RunReport``)."""
+    """The ``structured_content`` of a run_python result (see ``RunReport``), built from the
+    one JSON form of a result (``RunResult.to_dict``), with the text clipped as in the text
+    report."""
+    data = result.to_dict()
     status: Literal["ok", "error", "exit", "limit"]
-    if result.ok:
+    if data["ok"]:
         status = "ok"
-    elif result.limit_exceeded is not None:
+    elif data["limit_exceeded"] is not None:
         status = "limit"
-    elif result.error is not None:
+    elif data["error"] is not None:
         status = "error"
     else:
         status = "exit"
-    error = result.error
+    error = data["error"]
+    if error is not None:
+        error = {**error, "traceback": _clip(error["traceback"])}
     return RunReport(
-        status=status, stdout=_clip(result.stdout), stderr=_clip(result.stderr),
-        error=None if error is None else {"type": error.type, "message": error.message,
-                                          "traceback": _clip(error.traceback)},
-        limit=None if result.limit_exceeded is None else result.limit_exceeded.value,
-        fuel=result.fuel_used,
-        files=[{"path": f.path, "size": f.size, "sha256": f.sha256} for f in result.files],
-        exit_code=result.exit_code, duration_s=result.duration_s, backend=result.backend,
-        notes=list(notes)).model_dump()
+        status=status, stdout=_clip(data["stdout"]), stderr=_clip(data["stderr"]),
+        error=error, limit=data["limit_exceeded"], fuel=data["fuel_used"],
+        files=data["files"], exit_code=data["exit_code"], duration_s=data["duration_s"],
+        backend=data["backend"], notes=list(notes)).model_dump()
 
 
 #: Python API in wasibox's messages, and the configuration key the operator sets instead.
