@@ -673,7 +673,7 @@ def test_stdio_without_a_config_is_a_safe_server(tmp_path: Path) -> None:
             report = await client.call_tool("run_python", {"code": code})
             assert report.structured_content is not None
             assert report.structured_content["error"]["type"] == "CapabilityDenied"
-            assert "denied: http GET http://example.com/" in text(report)
+            assert "denied: http" in text(report)
             # No mounts but the session's workspace, which persists between runs.
             code = "import os\nopen('/workspace/a.txt', 'w').write('kept')\nos.listdir('/data')"
             report = await client.call_tool("run_python", {"code": code})
