@@ -89,7 +89,11 @@ def test_hash_token_is_hex_sha256() -> None:
     (tenant(functions={"f": "not a path"}), "tenants.alice.functions.f: 'not a path' is not"),
     (tenant(functions={"1f": "json:dumps"}), "tenants.alice.functions.1f"),
     ({"tenants": {"alice": {"token_sha256": "abc"}}}, "tenants.alice.token_sha256: must be 64"),
-    ({"tenants": {"alice": {}}}, "tenants.alice.token_sha256: Field required"),
+    (tenant(backend="docker"), "tenants.alice.backend"),
+    (tenant(allow_emulation="yes please"), "tenants.alice.allow_emulation"),
+    (tenant(backend="microvm", limits={"memory_bytes": "128MiB"}),
+     "tenants.alice: limits.memory_bytes is 128 MiB, below the microVM's minimum of 192 MiB, "
+     'so no run could start: raise it to at least "192MiB"'),
     ({"tenants": {}}, "tenants: "),
     ({"tenants": {"a b": {"token_sha256": DIGEST}}}, "'a b' is not a valid tenant name"),
     ({"tenants": {"a": {"token_sha256": DIGEST}, "b": {"token_sha256": DIGEST}}},
@@ -99,6 +103,17 @@ def test_hash_token_is_hex_sha256() -> None:
 ])
 def test_errors_name_the_bad_key(data: dict[str, Any], expected: str) -> None:
     assert expected in problems(data)
+
+
+def test_a_tenant_needs_no_token_and_chooses_its_backend() -> None:
+    # The token is for `wasibox serve` (which refuses a tenant without one: tests/test_server.py);
+    # a stdio MCP server needs none.
+    config = parse_config({"tenants": {"agent": {"backend": "microvm", "allow_emulation": True,
+                                                 "limits": {"memory_bytes": "256MiB"}},
+                                       "other": {}}})
+    agent, other = config.tenants["agent"], config.tenants["other"]
+    assert (agent.token_sha256, agent.backend, agent.allow_emulation) == (None, "microvm", True)
+    assert (other.backend, other.allow_emulation) == ("auto", None)
 
 
 def test_every_problem_is_reported_at_once() -> None:

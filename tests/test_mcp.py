@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import http.server
+import math
+import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -23,14 +27,16 @@ from mcp import Client, StdioServerParameters  # noqa: E402
 
 from tests import mcp_functions  # noqa: E402
 from tests.conftest import PYTHON, child_env  # noqa: E402
-from wasibox._config import parse_config  # noqa: E402
+from wasibox._config import load_config, parse_config  # noqa: E402
 from wasibox._errors import UsageError  # noqa: E402
+from wasibox._limits import FUEL_PER_SECOND, Limits  # noqa: E402
 from wasibox._mcp import (  # noqa: E402
     McpPolicy,
     WorkspaceStore,
     _confine,
     create_mcp_server,
     describe_functions,
+    operator_message,
 )
 
 pytestmark = pytest.mark.guest
@@ -135,7 +141,8 @@ async def core_cases(client: Client, loopback_port: int) -> None:
 
     # A limit, in plain words, with its name.
     result = await client.call_tool("run_python", {"code": "while True: pass"})
-    assert "the run used all of its CPU budget (fuel) after" in text(result)
+    assert "the run used all of its CPU budget (fuel: 400,000,000 units) after" in text(result)
+    assert "the operator can raise limits.fuel in the configuration" in text(result)
     assert "\nlimit exceeded: fuel\n" in text(result)
 
     # A timeout above the policy is clamped, and the result says so.
@@ -408,7 +415,7 @@ FUNCTIONS = {name: f"tests.mcp_functions:{name}"
 
 LIMIT_CASES = [
     ("fuel", {"code": "while True: pass"},
-     "the run used all of its CPU budget (fuel) after"),
+     "the run used all of its CPU budget (fuel: 50,000,000 units) after"),
     ("timeout", {"code": "import time\ntime.sleep(60)", "timeout_s": 0.5},
      "the run hit its wall-clock time limit of 0.5 s"),
     ("memory", {"code": "x = bytearray(200 * 2**20)"},
@@ -580,14 +587,11 @@ def test_a_workspace_in_use_by_a_run_is_not_idle() -> None:
 
 def test_readme_policy_and_client_registration_are_valid() -> None:
     import json
-    import re
     import tomllib
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    (policy_text,) = [block for block in re.findall(r"```toml\n(.*?)```", readme, re.DOTALL)
-                      if block.startswith("# agent.toml")]
-    tenant = parse_config(tomllib.loads(policy_text)).tenants["agent"]
-    assert set(tenant.functions) == {"lookup"}
+    readme = README.read_text(encoding="utf-8")
+    tenant = parse_config(tomllib.loads(readme_agent_toml())).tenants["agent"]
+    assert set(tenant.functions) == {"factorial"}
     assert tenant.http is not None and tenant.http.allow_loopback_endpoints == ["127.0.0.1:8000"]
     (registration,) = [json.loads(block) for block in
                        re.findall(r"```json\n(.*?)```", readme, re.DOTALL)
@@ -633,3 +637,180 @@ def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
     for tool in ("run_python", "write_file", "read_file", "list_files", "call_function"):
         assert tool in usage
     assert "--idle-timeout" in usage
+
+
+# -- zero configuration, the README's agent.toml, structured results ---------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_agent_toml() -> str:
+    blocks = [block for block in re.findall(r"```toml\n(.*?)```", README.read_text(),
+                                            flags=re.DOTALL)
+              if block.startswith("# agent.toml\n")]
+    assert len(blocks) == 1, "the README's agent.toml block is gone"
+    return blocks[0]
+
+
+def stdio_params(tmp: Path, *args: str) -> StdioServerParameters:
+    return StdioServerParameters(command=PYTHON, args=["-m", "wasibox", "mcp", *args],
+                                 env=server_env(tmp))
+
+
+def test_stdio_without_a_config_is_a_safe_server(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with Client(stdio_params(tmp_path / "tmp"), read_timeout_seconds=60) as client:
+            tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+            # No host functions, so no call_function tool.
+            assert set(tools) == {"run_python", "write_file", "read_file", "list_files"}
+            assert tools["run_python"].output_schema is not None
+            result = await client.call_tool("run_python", {"code": "print(6 * 7)"})
+            assert result.structured_content is not None
+            assert (result.structured_content["status"], result.structured_content["stdout"]) \
+                == ("ok", "42\n")
+            # No network.
+            code = "import urllib.request\nurllib.request.urlopen('http://example.com/')"
+            report = await client.call_tool("run_python", {"code": code})
+            assert report.structured_content is not None
+            assert report.structured_content["error"]["type"] == "CapabilityDenied"
+            assert "denied: http" in text(report)
+            # No mounts but the session's workspace, which persists between runs.
+            code = "import os\nopen('/workspace/a.txt', 'w').write('kept')\nos.listdir('/data')"
+            report = await client.call_tool("run_python", {"code": code})
+            assert report.structured_content is not None
+            assert report.structured_content["error"]["type"] == "FileNotFoundError"
+            code = "open('/workspace/b.txt', 'w').write('kept')"
+            assert "status: ok" in text(await client.call_tool("run_python", {"code": code}))
+            assert text(await client.call_tool("read_file", {"path": "b.txt"})) == "kept"
+            # Default limits: a CPU-bound loop runs to its timeout, not out of fuel.
+            report = await client.call_tool("run_python",
+                                             {"code": "while True: pass", "timeout_s": 0.5})
+            assert report.structured_content is not None
+            assert report.structured_content["limit"] == "timeout"
+
+    asyncio.run(main())
+
+
+def test_the_readme_agent_toml_runs_as_written(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text(readme_agent_toml(), encoding="utf-8")
+    policy = McpPolicy.from_config(load_config(config))
+    # The example allows as much CPU as its timeout.
+    assert policy.limits.fuel == math.ceil(policy.limits.timeout_s * FUEL_PER_SECOND)
+    assert policy.warnings() == []  # its memory is enough for the microVM too
+
+    async def main() -> None:
+        async with Client(stdio_params(tmp_path / "tmp", "--config", str(config)),
+                          read_timeout_seconds=60) as client:
+            tools = {tool.name for tool in (await client.list_tools()).tools}
+            assert "call_function" in tools
+            result = await client.call_tool("call_function",
+                                            {"name": "factorial", "args": [5]})
+            assert not result.is_error and "result (JSON):\n120\n" in text(result)
+            code = "import host\nprint(host.factorial(6))"
+            result = await client.call_tool("run_python", {"code": code})
+            assert result.structured_content is not None
+            assert result.structured_content["stdout"] == "720\n"
+
+    asyncio.run(main())
+
+
+def test_run_python_returns_structured_content() -> None:
+    policy = agent_policy(limits={"fuel": 20_000_000, "timeout_s": 4})
+
+    async def main(client: Client) -> None:
+        async def run(code: str) -> dict[str, Any]:
+            result = await client.call_tool("run_python", {"code": code})
+            assert not result.is_error and result.structured_content is not None
+            return result.structured_content
+
+        ok = await run("import sys\nprint('out')\nprint('err', file=sys.stderr)\n"
+                       "open('/workspace/r.txt', 'w').write('abc')")
+        assert {key: ok[key] for key in ("status", "stdout", "stderr", "error", "limit")} == {
+            "status": "ok", "stdout": "out\n", "stderr": "err\n", "error": None,
+            "limit": None}
+        assert ok["fuel"] > 0 and ok["backend"] == "wasm" and ok["exit_code"] == 0
+        assert ok["files"] == [{"path": "/workspace/r.txt", "size": 3,
+                                "sha256": hashlib.sha256(b"abc").hexdigest()}]
+        error = await run("raise KeyError('k')")
+        assert error["status"] == "error" and error["files"] == []
+        assert (error["error"]["type"], error["error"]["message"]) == ("KeyError", "'k'")
+        assert "raise KeyError" in error["error"]["traceback"]
+        limit = await run("while True: pass")
+        assert (limit["status"], limit["limit"], limit["fuel"]) == ("limit", "fuel", 20_000_000)
+        exited = await run("raise SystemExit(3)")
+        assert (exited["status"], exited["exit_code"], exited["error"]) == ("exit", 3, None)
+        noted = await client.call_tool("run_python", {"code": "pass", "timeout_s": 99})
+        assert noted.structured_content is not None
+        assert "above this server's limit" in noted.structured_content["notes"][0]
+
+    in_process(policy, main)
+
+
+def test_a_tenant_chooses_its_backend_and_emulation() -> None:
+    policy = agent_policy(backend="wasm", allow_emulation=False)
+    assert (policy.config.backend, policy.config.allow_emulation) == ("wasm", False)
+
+    async def main(client: Client) -> dict[str, Any]:
+        result = await client.call_tool("run_python", {"code": "import numpy"})
+        assert result.structured_content is not None
+        return result.structured_content
+
+    # Forced to wasm: numpy is simply missing, whatever this machine's microVM can do.
+    report = in_process(policy, main)
+    assert (report["backend"], report["error"]["type"]) == ("wasm", "ModuleNotFoundError")
+
+
+def test_errors_for_a_model_name_configuration_keys_not_python_api() -> None:
+    # Real errors from the code that raises them; a runtime double stands for the machine.
+    from wasibox.backends.base import Job, Policy
+    from wasibox.backends.microvm import MicroVMBackend
+
+    @dataclasses.dataclass
+    class Machine:
+        accel: str
+
+    refused = MicroVMBackend(allow_emulation=False, runtime_=Machine("tcg"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError) as emulation:
+        refused.check_allowed()
+    small = MicroVMBackend(allow_emulation=True, runtime_=Machine("kvm"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError) as memory:
+        small.execute(Job(op="run", code="pass", limits=Limits(memory_bytes="128MiB"),
+                          policy=Policy()))
+    for exc, key in ((emulation.value, "allow_emulation = true"),
+                     (memory.value, "memory_bytes")):
+        words = operator_message(exc)
+        assert key in words and "configuration" in words
+        assert "Sandbox(" not in words and "Limits." not in words, words
+
+    policy = agent_policy(limits={"source_bytes": 64})
+
+    async def main(client: Client) -> str:
+        result = await client.call_tool("run_python", {"code": "x = 1\n" * 100})
+        assert result.is_error
+        return text(result)
+
+    words = in_process(policy, main)
+    assert "limits.source_bytes" in words and "Limits." not in words
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
+                    reason="QEMU (qemu-system-x86_64) is not installed, so no run can need "
+                           "the microVM's memory")
+def test_a_policy_too_small_for_the_microvm_is_reported_at_start() -> None:
+    warnings = agent_policy(limits={"memory_bytes": "128MiB"}).warnings()
+    assert len(warnings) == 1
+    assert "tenants.agent.limits.memory_bytes is 128 MiB" in warnings[0]
+    assert "192MiB" in warnings[0] and 'backend = "wasm"' in warnings[0]
+    assert agent_policy(limits={"memory_bytes": "128MiB"}, backend="wasm").warnings() == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "example.com"])
+def test_the_unauthenticated_http_transport_listens_only_on_loopback(tmp_path: Path,
+                                                                    host: str) -> None:
+    done = subprocess.run([PYTHON, "-m", "wasibox", "mcp", "--transport", "http", "--host",
+                           host, "--port", str(free_port())], capture_output=True, text=True,
+                          env=server_env(tmp_path / "tmp"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"listens only on a loopback address (127.0.0.1, ::1, localhost), not {host!r}" \
+        in done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,7 +328,8 @@ def test_a_client_that_goes_away_cancels_its_run(server: Server, code: str) -> N
     ("/v1/run", b"[1, 2]", "body"),
     ("/v1/run", b"{}", "body.code: Field required"),
     ("/v1/run", b'{"code": 5}', "body.code: Input should be a valid string"),
-    ("/v1/run", b'{"code": "pass", "limits": {"fuel": 1}}', "body.limits: Extra inputs"),
+    ("/v1/run", b'{"code": "pass", "limits": {"fule": 1}}', "body.limits.fule: Extra inputs"),
+    ("/v1/run", b'{"code": "pass", "limits": {"fuel": 0}}', "body.limits.fuel"),
     ("/v1/call", b'{"code": "pass"}', "body.entry: Field required"),
     ("/v1/call", b'{"code": "pass", "entry": "os.system"}', "body.entry"),
     ("/v1/call", b'{"code": "pass", "entry": "f", "args": {"a": 1}}', "body.args"),
@@ -398,6 +400,38 @@ def assert_no_host_detail(text: str) -> None:
         assert secret not in text
 
 
+def test_a_request_may_lower_the_tenants_limits(alice: httpx.Client) -> None:
+    body = alice.post("/v1/run", json={"code": "while True: pass",
+                                       "limits": {"fuel": 1_000_000}}).json()
+    assert (body["limit_exceeded"], body["fuel_used"]) == ("fuel", 1_000_000)
+    body = alice.post("/v1/call", json={"code": "def f():\n    while True: pass", "entry": "f",
+                                        "limits": {"fuel": 2_000_000}}).json()
+    assert (body["limit_exceeded"], body["fuel_used"]) == ("fuel", 2_000_000)
+    body = alice.post("/v1/run", json={"code": "import time\ntime.sleep(30)",
+                                       "limits": {"timeout_s": 0.5}}).json()
+    assert body["limit_exceeded"] == "timeout"
+    body = alice.post("/v1/run", json={"code": "print(len(bytearray(40 * 2**20)))",
+                                       "limits": {"memory_bytes": "48MiB"}}).json()
+    assert body["limit_exceeded"] == "memory"
+    # The narrowing was for those requests only: the tenant's own limits still apply.
+    body = alice.post("/v1/run", json={"code": "print(len(bytearray(40 * 2**20)))"}).json()
+    assert (body["ok"], body["stdout"]) == (True, f"{40 * 2**20}\n")
+
+
+@pytest.mark.parametrize(("limits", "needle"), [
+    ({"fuel": 100_000_001}, "fuel=100000001 is above this sandbox's limit of 100000000"),
+    ({"timeout_s": 6}, "timeout_s=6.0 is above this sandbox's limit of 5.0"),
+    ({"source_bytes": "1MiB"}, "source_bytes=1048576 is above"),
+])
+def test_a_request_cannot_raise_the_tenants_limits(
+        alice: httpx.Client, limits: dict[str, object], needle: str) -> None:
+    for path, extra in (("/v1/run", {}), ("/v1/call", {"entry": "f"})):
+        response = alice.post(path, json={"code": "def f(): pass", "limits": limits, **extra})
+        assert response.status_code == 422, response.text
+        assert needle in response.json()["detail"]
+        assert "never raise them" in response.json()["detail"]
+
+
 # -- the command ------------------------------------------------------------------------------
 
 def test_serve_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
@@ -408,3 +442,28 @@ def test_serve_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
                             capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.returncode == 2
     assert "tenants.carol.limits.fule: unknown key" in result.stderr
+
+
+def test_serve_refuses_a_tenant_without_a_token(tmp_path: Path) -> None:
+    # A token is optional in the file (a stdio MCP server needs none), never for serve.
+    config = tmp_path / "tokenless.toml"
+    config.write_text("[tenants.carol]\nlimits = { timeout_s = 1 }\n")
+    result = subprocess.run([PYTHON, "-m", "wasibox", "serve", "--config", str(config),
+                             "--port", "0"],
+                            capture_output=True, text=True, env=child_env(), timeout=120)
+    assert result.returncode == 2
+    assert "tenants.carol.token_sha256: wasibox serve needs it" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
+                    reason="QEMU (qemu-system-x86_64) is not installed, so no run can need "
+                           "the microVM's memory")
+def test_serve_warns_of_a_memory_limit_the_microvm_cannot_meet(tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(f'[tenants.carol]\ntoken_sha256 = "{hash_token("t")}"\n'
+                      'limits = { memory_bytes = "128MiB" }\n')
+    live = Server(config)
+    live.stop()
+    logged = "".join(live.lines)
+    assert "wasibox serve: warning: tenants.carol.limits.memory_bytes is 128 MiB, below the " \
+        "microVM's minimum of 192 MiB" in logged

@@ -14,7 +14,7 @@ from typing import TextIO
 
 from ._errors import UsageError, WasiboxError
 from ._files import Mount
-from ._limits import Limits
+from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
 from ._terminal import inert
 from ._version import __version__
 
@@ -49,8 +49,9 @@ examples:
 def _limits_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Limits()
     group = parser.add_argument_group("limits")
-    group.add_argument("--fuel", type=int, default=defaults.fuel,
-                       help="CPU budget in fuel units, deterministic (default: %(default)s)")
+    group.add_argument("--fuel", type=int, default=None,
+                       help="CPU budget in fuel units, deterministic (default: enough for the "
+                            f"whole timeout: {FUEL_PER_SECOND:,} per second of --timeout)")
     group.add_argument("--memory", default=defaults.memory_bytes, metavar="BYTES",
                        help="memory cap, e.g. 268435456 or 256MiB (default: %(default)s)")
     group.add_argument("--timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
@@ -132,26 +133,31 @@ def _parser() -> argparse.ArgumentParser:
     mcp = commands.add_parser(
         "mcp", help="serve run_python and workspace file tools to AI agents over MCP",
         description="Serve the Model Context Protocol tools run_python, write_file, read_file\n"
-                    "and list_files under the policy of one tenant of a 'wasibox serve' config\n"
-                    "file (limits, mounts, HTTP allowlist, host functions); tool arguments\n"
+                    "and list_files. With no options the policy is safe as it stands: default\n"
+                    "limits, no network, no host functions, no mounts. --config adds the\n"
+                    "policy of one tenant of a 'wasibox serve' config file (limits, mounts,\n"
+                    "HTTP allowlist, host functions, backend; no token needed); tool arguments\n"
                     "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
                     "deleted when the session ends or sits idle; every run_python is a fresh\n"
                     "interpreter. When the tenant lists host functions, a call_function\n"
                     "tool calls them with JSON arguments under the same host-call limits.\n"
                     "Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
-        epilog="examples:\n  wasibox mcp --config wasibox.toml                  # stdio\n"
+        epilog="examples:\n  wasibox mcp                                        # stdio, defaults\n"
+               "  wasibox mcp --config wasibox.toml                  # stdio\n"
                "  wasibox mcp --config wasibox.toml --transport http --port 8765\n"
-               "The HTTP transport has no authentication: keep it on a loopback address.",
+               "The HTTP transport has no authentication, so it listens only on a loopback\n"
+               "address; put an authenticating proxy in front to reach it from elsewhere.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    mcp.add_argument("--config", required=True, metavar="FILE",
-                     help="the TOML configuration, the same format as 'wasibox serve'")
+    mcp.add_argument("--config", metavar="FILE",
+                     help="the TOML configuration, the same format as 'wasibox serve' "
+                          "(default: none, the safe defaults above)")
     mcp.add_argument("--tenant", metavar="NAME",
                      help="whose policy to apply (default: the file's only tenant)")
     mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio",
                      help="stdio for a client that starts the server, or streamable HTTP "
                           "(default: %(default)s)")
     mcp.add_argument("--host", default="127.0.0.1",
-                     help="HTTP address to listen on (default: %(default)s)")
+                     help="HTTP address to listen on, a loopback one (default: %(default)s)")
     mcp.add_argument("--port", type=int, default=8765,
                      help="HTTP port to listen on (default: %(default)s)")
     mcp.add_argument("--idle-timeout", type=float, default=1800.0, metavar="SECONDS",
@@ -222,8 +228,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                    or f"{result.error.type}: {result.error.message}\n")
     if result.limit_exceeded is not None:
         if not args.json:
-            print(f"wasibox: the run exceeded its {result.limit_exceeded.value} limit",
-                  file=sys.stderr)
+            words = (fuel_advice(result.fuel_used) if result.limit_exceeded == Limit.FUEL
+                     else f"the run exceeded its {result.limit_exceeded.value} limit")
+            print(f"wasibox: {words}", file=sys.stderr)
         return EXIT_LIMIT
     return result.exit_code
 

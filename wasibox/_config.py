@@ -15,8 +15,9 @@ Example::
     max_concurrency = 4              # runs executing at once for this tenant
     max_queue = 16                   # more wait; beyond that, 429
     rate_limit = { per_second = 20, burst = 40 }
-    limits = { fuel = 1_000_000_000, memory_bytes = "128MiB", timeout_s = 2 }
+    limits = { fuel = 1_000_000_000, memory_bytes = "256MiB", timeout_s = 2 }
     functions = { lookup = "myapp.sandbox_functions:lookup" }
+    backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
@@ -53,6 +54,7 @@ from ._limits import Limits, parse_size
 __all__ = [
     "Config",
     "HttpConfig",
+    "LimitsConfig",
     "MountConfig",
     "RateLimitConfig",
     "ServerConfig",
@@ -212,9 +214,14 @@ class HttpConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    """One tenant: its credential, its policy and its share of the service."""
+    """One tenant: its credential, its policy and its share of the service.
 
-    token_sha256: str = Field(description="hex SHA-256 of the tenant's bearer token")
+    ``token_sha256`` is required by ``wasibox serve`` (and by nothing else: a stdio MCP
+    server is reached only by the process that started it).
+    """
+
+    token_sha256: str | None = Field(default=None,
+                                     description="hex SHA-256 of the tenant's bearer token")
     limits: LimitsConfig = LimitsConfig()
     max_concurrency: int = Field(default=2, ge=1, le=256)
     max_queue: int = Field(default=16, ge=0, le=10_000)
@@ -226,11 +233,16 @@ class TenantConfig(_Strict):
     http: HttpConfig | None = None
     #: Host functions the guest may call, by name: "package.module:attribute".
     functions: dict[FunctionName, ImportPath] = {}
+    #: Where runs execute: "auto" picks the microVM only for code that needs it (numpy...).
+    backend: Literal["auto", "wasm", "microvm"] = "auto"
+    #: Let the microVM run under QEMU's software emulation (TCG), which is not a security
+    #: boundary; unset, the WASIBOX_ALLOW_EMULATION environment variable decides.
+    allow_emulation: bool | None = None
 
     @pydantic.field_validator("token_sha256")
     @classmethod
-    def _hex_digest(cls, value: str) -> str:
-        if not _SHA256_HEX.match(value):
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not _SHA256_HEX.match(value):
             raise ValueError("must be 64 lowercase hex digits (the SHA-256 of the token)")
         return value
 
@@ -242,6 +254,34 @@ class TenantConfig(_Strict):
         except UsageError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _vm_memory(self) -> TenantConfig:
+        # A tenant that runs only in the microVM with less memory than a VM needs could
+        # never run anything: refuse the file rather than fail every run.
+        from .backends.microvm import MIN_MEMORY_BYTES
+
+        memory = self.limits.to_limits().memory_bytes
+        if self.backend == "microvm" and memory < MIN_MEMORY_BYTES:
+            raise ValueError(
+                f"limits.memory_bytes is {memory // 2**20} MiB, below the microVM's minimum of "
+                f"{MIN_MEMORY_BYTES // 2**20} MiB, so no run could start: raise it to at least "
+                f'"{MIN_MEMORY_BYTES // 2**20}MiB"')
+        return self
+
+    def warnings(self, tenant: str) -> list[str]:
+        """What the operator should know at start-up: a policy that defeats part of itself
+        on this machine (the file is valid, so these do not refuse it)."""
+        from .backends.microvm import MIN_MEMORY_BYTES, microvm_available
+
+        memory = self.limits.to_limits().memory_bytes
+        if self.backend == "auto" and memory < MIN_MEMORY_BYTES and microvm_available():
+            return [f"tenants.{tenant}.limits.memory_bytes is {memory // 2**20} MiB, below the "
+                    f"microVM's minimum of {MIN_MEMORY_BYTES // 2**20} MiB: code that needs the "
+                    "microVM (numpy, pandas, ...) will fail; raise it to at least "
+                    f'"{MIN_MEMORY_BYTES // 2**20}MiB", or set backend = "wasm" to keep every '
+                    "run in WebAssembly"]
+        return []
 
     def resolve_functions(self, tenant: str) -> dict[str, Callable[..., Any]]:
         """Import each host function. Raises ConfigError naming the key that fails."""
@@ -282,6 +322,8 @@ class Config(_Strict):
             if not _TENANT_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid tenant name (letters, digits, "
                                  "'_', '.', '-'; at most 64)")
+            if tenant.token_sha256 is None:
+                continue
             if tenant.token_sha256 in seen:
                 raise ValueError(f"tenants {seen[tenant.token_sha256]!r} and {name!r} have the "
                                  "same token_sha256; every tenant needs its own token")

@@ -118,9 +118,14 @@ class LimitExceeded(WasiboxError):
     index: int | None = None
 
     def __init__(self, limit: Limit, result: RunResult | None = None) -> None:
+        from ._limits import fuel_advice  # _limits imports this module
+
         self.limit = limit
         self.result = result
-        super().__init__(f"the run exceeded its {limit.value} limit")
+        if limit.value == "fuel" and result is not None:
+            super().__init__(fuel_advice(result.fuel_used))
+        else:
+            super().__init__(f"the run exceeded its {limit.value} limit")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # As GuestError's.

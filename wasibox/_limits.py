@@ -1,4 +1,11 @@
-"""Per-run limits, and the names of the limits a run can exceed."""
+"""Per-run limits, and the names of the limits a run can exceed.
+
+Fuel and time. Fuel is the deterministic CPU budget: the same program uses the same fuel on
+every machine, so fuel is always a fixed number derived from the limits, never from a clock.
+When ``fuel`` is not given it is ``ceil(timeout_s * FUEL_PER_SECOND)``, enough for the guest to
+compute for the whole timeout, so a ``timeout_s`` means what it says and fuel only decides
+when it is given.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,21 @@ import dataclasses
 import enum
 import math
 import re
+from collections.abc import Mapping
+from typing import ClassVar
 
 from ._errors import UsageError
 
-__all__ = ["Limit", "Limits"]
+__all__ = ["FUEL_PER_SECOND", "Limit", "Limits", "fuel_advice"]
+
+#: Fuel per second of wall-clock time, used to derive ``fuel`` from ``timeout_s`` when only
+#: the timeout is given. Measured on a loaded 2-core machine (``python bench/fuel_rate.py``),
+#: CPU-bound guest code burns 1.2e9 fuel/s (sorting, json) to 5.3e9 fuel/s (an integer loop);
+#: twice the fastest, so that a faster machine still reaches the timeout before the fuel runs
+#: out.
+FUEL_PER_SECOND = 10**10
+#: The wall-clock limit when none is given, in seconds.
+DEFAULT_TIMEOUT_S = 5.0
 
 
 class Limit(enum.StrEnum):
@@ -48,20 +66,30 @@ def parse_size(value: int | str, name: str) -> int:
     return number
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+def fuel_advice(fuel_used: int) -> str:
+    """The words for a run that ran out of fuel: how much it used and how to give it more."""
+    return (f"the run exceeded its fuel limit (its deterministic CPU budget) after using "
+            f"{fuel_used:,} units; raise it with Limits(fuel=...), --fuel on the command line, "
+            "or limits.fuel in a configuration file")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
 class Limits:
     """What one run may use. Every field is enforced on every run.
 
     Sizes accept ints or shorthand (``memory_bytes="256MiB"``), normalised here, once.
+    ``fuel`` not given (or None) is derived from ``timeout_s``: ``ceil(timeout_s *
+    FUEL_PER_SECOND)``, so ``Limits(timeout_s=30)`` may compute for 30 s.
     Raises UsageError for a value that is not positive or not a number.
     """
 
     #: CPU budget in fuel units. Deterministic: the same program uses the same fuel.
-    fuel: int = 2_000_000_000
+    #: Default: ``timeout_s * FUEL_PER_SECOND`` (50 billion for the default 5 s).
+    fuel: int
     #: Cap on the guest's linear memory. Growth past it gives the guest a MemoryError.
     memory_bytes: int = 256 * 2**20
     #: Wall-clock budget in seconds, enforced by epoch interruption and by every host wait.
-    timeout_s: float = 5.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     #: Cap on stdout and stderr together; the run stops when it is exceeded.
     output_bytes: int = 2**20
     #: Cap on the size of submitted code, checked before any instance is made.
@@ -75,6 +103,26 @@ class Limits:
     host_call_bytes: int = 16 * 2**20
     #: Cap on all host calls' payloads in one run, both ways together.
     host_total_bytes: int = 256 * 2**20
+    #: Whether ``fuel`` was derived from ``timeout_s``: an attribute of each instance, set by
+    #: the constructor; not a field, so ``asdict``, equality and the repr leave it out.
+    _fuel_from_timeout: ClassVar[bool] = False
+
+    def __init__(self, *, fuel: int | None = None, memory_bytes: int | str = 256 * 2**20,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, output_bytes: int | str = 2**20,
+                 source_bytes: int | str = 2**20, open_files: int = 64,
+                 host_calls: int = 10_000, host_call_bytes: int | str = 16 * 2**20,
+                 host_total_bytes: int | str = 256 * 2**20) -> None:
+        # Written out (not generated) so that ``fuel`` may be omitted while the attribute is
+        # always an int.
+        values = {"memory_bytes": memory_bytes, "timeout_s": timeout_s,
+                  "output_bytes": output_bytes, "source_bytes": source_bytes,
+                  "open_files": open_files, "host_calls": host_calls,
+                  "host_call_bytes": host_call_bytes, "host_total_bytes": host_total_bytes}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_fuel_from_timeout", fuel is None)
+        object.__setattr__(self, "fuel", 1 if fuel is None else fuel)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "output_bytes", "source_bytes", "host_call_bytes",
@@ -89,7 +137,49 @@ class Limits:
                 or not math.isfinite(timeout) or timeout <= 0):
             raise UsageError(f"timeout_s must be a positive number of seconds, not {timeout!r}")
         object.__setattr__(self, "timeout_s", float(timeout))
+        if self._fuel_from_timeout:
+            object.__setattr__(self, "fuel", math.ceil(self.timeout_s * FUEL_PER_SECOND))
+
+    @property
+    def fuel_from_timeout(self) -> bool:
+        """True when ``fuel`` was not given and so was derived from ``timeout_s``."""
+        return self._fuel_from_timeout
 
     def replace(self, **changes: object) -> Limits:
-        """A copy with some fields changed (validated like the constructor)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with some fields changed (validated like the constructor).
+
+        A fuel that was derived from the timeout is derived again from the new timeout.
+        Raises UsageError for an unknown field or an invalid value.
+        """
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise UsageError(f"Limits has no field {unknown[0]!r}; the fields are "
+                             f"{', '.join(_FIELDS)}")
+        values: dict[str, object] = {name: getattr(self, name) for name in _FIELDS}
+        if self._fuel_from_timeout:
+            values["fuel"] = None
+        values.update(changes)
+        return Limits(**values)  # type: ignore[arg-type]
+
+    def narrow(self, changes: Mapping[str, object]) -> Limits:
+        """A copy with the limits ``changes`` names lowered, for one run; never raised.
+
+        Keys are field names (``{"timeout_s": 1, "fuel": 10**8}``), values as the
+        constructor takes them. Raises UsageError for an unknown key, an invalid value, or a
+        value above this Limits' own (a run may lower its limits, never raise them).
+        """
+        if not isinstance(changes, Mapping):
+            raise UsageError("per-run limits must be a mapping such as {'timeout_s': 1}, not "
+                             f"{type(changes).__name__}")
+        narrowed = self.replace(**{str(name): value for name, value in changes.items()})
+        for name in changes:
+            own, wanted = getattr(self, name), getattr(narrowed, name)
+            if wanted > own:
+                raise UsageError(f"{name}={wanted} is above this sandbox's limit of {own}; "
+                                 "a run may lower its limits, never raise them")
+        return narrowed
+
+
+#: The fields a caller sets, in order.
+_FIELDS = ("fuel", "memory_bytes", "timeout_s", "output_bytes", "source_bytes", "open_files",
+           "host_calls", "host_call_bytes", "host_total_bytes")

@@ -1,9 +1,15 @@
 """``wasibox mcp``: wasibox as the code-execution tool of an AI agent, over the Model Context
 Protocol (the official ``mcp`` SDK; stdio or streamable HTTP).
 
-Policy comes from the same TOML file as ``wasibox serve`` (``wasibox._config``): one tenant's
-limits, mounts, HTTP allowlist and host functions. Nothing a tool call sends can change it: the
-tools take code, a timeout that is clamped to the policy's, and workspace-relative paths.
+Policy. With no configuration the server is safe as it stands: wasibox's default limits, no
+network, no host functions, no mounts, only the session's workspace. A configuration (the same
+TOML file as ``wasibox serve``, ``wasibox._config``) adds one tenant's limits, mounts, HTTP
+allowlist, host functions and backend; its ``token_sha256`` is not needed (stdio reaches only
+the process that started the server, and the HTTP transport has no authentication, so it
+listens only on loopback). Nothing a tool call sends can change the policy: the tools take
+code, a timeout that is clamped to the policy's, and workspace-relative paths. Errors a model
+receives name the configuration keys the operator can change, never a Python API the model
+cannot call.
 
 Sessions. Every MCP session gets its own workspace directory, mounted writable at
 ``/workspace`` in each run, so files persist from call to call; every ``run_python`` still
@@ -29,11 +35,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -44,7 +53,8 @@ from typing import Annotated, Any, Literal
 import msgpack
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from pydantic import Field
+from mcp.types import CallToolResult, TextContent
+from pydantic import BaseModel, Field
 
 from ._config import Config, TenantConfig, load_config
 from ._errors import ConfigError, UsageError, WasiboxError
@@ -55,8 +65,9 @@ from ._result import RunResult, json_value
 from ._sandbox import Sandbox
 from ._version import __version__
 
-__all__ = ["McpPolicy", "WorkspaceStore", "call_host_function", "create_mcp_server",
-           "describe_functions", "describe_result", "serve_mcp"]
+__all__ = ["McpPolicy", "RunReport", "WorkspaceStore", "call_host_function",
+           "create_mcp_server", "describe_functions", "describe_result", "operator_message",
+           "serve_mcp", "structured_result"]
 
 #: Characters of stdout (and of stderr) a tool result carries before it is cut with a marker.
 TEXT_LIMIT = 20_000
@@ -81,6 +92,13 @@ class McpPolicy:
     functions: dict[str, Callable[..., Any]]
 
     @classmethod
+    def default(cls) -> McpPolicy:
+        """The policy of ``wasibox mcp`` without a configuration: default limits, no network,
+        no host functions, no mounts."""
+        config = TenantConfig()
+        return cls("default", config.limits.to_limits(), config, {})
+
+    @classmethod
     def from_config(cls, config: Config, tenant: str | None = None) -> McpPolicy:
         """Pick the tenant (the only one, if not named). Raises ConfigError."""
         if tenant is None:
@@ -98,10 +116,15 @@ class McpPolicy:
         """A Sandbox enforcing this policy, with ``workspace`` at /workspace."""
         mounts: list[Mount] = [m.to_mount() for m in self.config.mounts]
         http = self.config.http.to_policy() if self.config.http is not None else None
-        limits = dataclasses.replace(self.limits, timeout_s=timeout_s)
+        limits = self.limits.narrow({"timeout_s": timeout_s})
         return Sandbox(limits, seed=self.config.seed, clock=self.config.clock,
                        entropy=self.config.entropy, mounts=mounts, workspace=workspace,
-                       http=http, functions=self.functions)
+                       http=http, functions=self.functions, backend=self.config.backend,
+                       allow_emulation=self.config.allow_emulation)
+
+    def warnings(self) -> list[str]:
+        """What the operator should know at start-up (see ``TenantConfig.warnings``)."""
+        return self.config.warnings(self.tenant)
 
 
 class WorkspaceStore:
@@ -215,7 +238,8 @@ def _limit_words(result: RunResult, limits: Limits) -> str:
     after = f"after {result.duration_s:.1f} s"
     match str(result.limit_exceeded):
         case "fuel":
-            return f"the run used all of its CPU budget (fuel) {after}"
+            return (f"the run used all of its CPU budget (fuel: {result.fuel_used:,} units) "
+                    f"{after}; the operator can raise limits.fuel in the configuration")
         case "timeout":
             return f"the run hit its wall-clock time limit of {limits.timeout_s:g} s"
         case "memory":
@@ -266,6 +290,70 @@ def describe_result(result: RunResult, limits: Limits, notes: list[str]) -> str:
     lines.append(f"fuel used: {result.fuel_used}; duration: {result.duration_s:.3f} s; "
                  f"backend: {result.backend}")
     return "\n".join(lines)
+
+
+class RunReport(BaseModel):
+    """A run_python result as structured content: the fields a client program reads."""
+
+    status: Literal["ok", "error", "exit", "limit"] = Field(
+        description="ok; error: the code raised; exit: it exited non-zero; limit: a limit "
+                    "stopped it")
+    stdout: str
+    stderr: str
+    error: dict[str, str] | None = Field(description="type, message and traceback")
+    limit: str | None = Field(description="the limit that stopped the run, if one did")
+    fuel: int = Field(description="fuel used (the deterministic CPU budget)")
+    files: list[dict[str, Any]] = Field(
+        description="files written under /workspace and other writable mounts: path, size, "
+                    "sha256")
+    exit_code: int
+    duration_s: float
+    backend: str
+    notes: list[str]
+
+
+def structured_result(result: RunResult, notes: list[str]) -> dict[str, Any]:
+    """The ``structured_content`` of a run_python result (see ``RunReport``), built from the
+    one JSON form of a result (``RunResult.to_dict``), with the text clipped as in the text
+    report."""
+    data = result.to_dict()
+    status: Literal["ok", "error", "exit", "limit"]
+    if data["ok"]:
+        status = "ok"
+    elif data["limit_exceeded"] is not None:
+        status = "limit"
+    elif data["error"] is not None:
+        status = "error"
+    else:
+        status = "exit"
+    error = data["error"]
+    if error is not None:
+        error = {**error, "traceback": _clip(error["traceback"])}
+    return RunReport(
+        status=status, stdout=_clip(data["stdout"]), stderr=_clip(data["stderr"]),
+        error=error, limit=data["limit_exceeded"], fuel=data["fuel_used"],
+        files=data["files"], exit_code=data["exit_code"], duration_s=data["duration_s"],
+        backend=data["backend"], notes=list(notes)).model_dump()
+
+
+#: Python API in wasibox's messages, and the configuration key the operator sets instead.
+_OPERATOR_WORDS = (
+    (re.compile(r"Sandbox\(allow_emulation=True\)|--allow-emulation"),
+     "allow_emulation = true in the tenant's configuration"),
+    (re.compile(r"Limits\((\w+)=\.\.\.\)|Limits\.(\w+)"),
+     lambda match: f"limits.{match.group(1) or match.group(2)}"),
+    (re.compile(r"backend='(\w+)'"), r'backend = "\1"'),
+)
+
+
+def operator_message(exc: BaseException) -> str:
+    """A wasibox error as a model should read it: no host paths, and the configuration keys
+    the operator can change rather than a Python API the model cannot call."""
+    text = host_error_message(exc)
+    for pattern, words in _OPERATOR_WORDS:
+        text = pattern.sub(words, text)
+    return (f"{text}\n(this server's operator sets its limits and backend in its "
+            "configuration file; a tool call cannot change them)")
 
 
 # -- confined paths ---------------------------------------------------------------------------
@@ -511,12 +599,12 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         return ToolError(str(exc))
 
     async def run_in_sandbox(code: str, root: Path, timeout: float, notes: list[str],
-                             ctx: Context) -> str:
+                             ctx: Context) -> CallToolResult:
         """Run ``code`` with ``root`` at /workspace, sending progress while it runs."""
         try:
             sandbox = policy.sandbox(root, timeout)
         except WasiboxError as exc:
-            raise ToolError(host_error_message(exc)) from None  # no host paths
+            raise ToolError(operator_message(exc)) from None
         task = asyncio.ensure_future(sandbox.arun(code))
         try:
             started = time.monotonic()
@@ -536,17 +624,19 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                     pass
             result = task.result()
         except WasiboxError as exc:
-            raise ToolError(host_error_message(exc)) from None  # no host paths
+            raise ToolError(operator_message(exc)) from None
         finally:
             sandbox.close()
-        return describe_result(result, sandbox.limits, notes)
+        return CallToolResult(
+            content=[TextContent(type="text", text=describe_result(result, sandbox.limits, notes))],
+            structured_content=structured_result(result, notes))
 
     @server.tool(description=RUN_PYTHON_DESCRIPTION)
     async def run_python(
         code: Annotated[str, Field(description="the Python source to run")],
         ctx: Context,
         timeout_s: Annotated[float | None, Field(gt=0, description=TIMEOUT_DESCRIPTION)] = None,
-    ) -> str:
+    ) -> Annotated[CallToolResult, RunReport]:
         notes: list[str] = []
         ceiling = policy.limits.timeout_s
         timeout = ceiling
@@ -641,11 +731,34 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve_mcp(config_path: str, *, tenant: str | None = None,
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_mcp(config_path: str | None = None, *, tenant: str | None = None,
               transport: Literal["stdio", "http"] = "stdio", host: str = "127.0.0.1",
               port: int = 8765, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
-    """Run ``wasibox mcp`` until stopped. Raises ConfigError for a bad config."""
-    policy = McpPolicy.from_config(load_config(config_path), tenant)
+    """Run ``wasibox mcp`` until stopped; without ``config_path``, under the default policy.
+
+    Warnings about the policy go to stderr (a stdio client's log). Raises ConfigError for a
+    bad config, or for ``tenant`` without a config, and UsageError for an HTTP ``host`` that
+    is not a loopback address (the transport has no authentication).
+    """
+    if transport == "http" and not _loopback(host):
+        raise UsageError(f"the MCP HTTP transport has no authentication, so it listens only on "
+                         f"a loopback address (127.0.0.1, ::1, localhost), not {host!r}; to "
+                         "reach it from elsewhere, put an authenticating proxy in front of it")
+    if config_path is None:
+        if tenant is not None:
+            raise ConfigError("--tenant names a tenant of a configuration: give --config too")
+        policy = McpPolicy.default()
+    else:
+        policy = McpPolicy.from_config(load_config(config_path), tenant)
+    for warning in policy.warnings():
+        print(f"wasibox mcp: warning: {warning}", file=sys.stderr, flush=True)
     store = WorkspaceStore(idle_timeout_s)
     if threading.current_thread() is threading.main_thread():
         # Turn SIGTERM into an orderly exit, so the workspaces are deleted (uvicorn hands a

@@ -110,7 +110,8 @@ class Sandbox:
         self._lock = threading.Lock()
 
     def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
-            kwargs: Mapping[str, Any] | None = None) -> RunResult:
+            kwargs: Mapping[str, Any] | None = None,
+            limits: Mapping[str, Any] | None = None) -> RunResult:
         """Run ``code`` in a fresh interpreter and report what happened.
 
         With ``entry``, the function of that name is then called with ``args`` and
@@ -118,44 +119,57 @@ class Sandbox:
         must be msgpack-compatible (None, bool, int, float, str, bytes, and lists and dicts
         of them).
 
+        ``limits`` lowers some of the sandbox's limits for this run only, by field name:
+        ``limits={"timeout_s": 1, "fuel": 10**8}``. It never raises one: a value above the
+        sandbox's own is a UsageError, as an unknown name is. A fuel derived from the
+        timeout is derived again from the lowered timeout.
+
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
-        ``limits.source_bytes``, or if the arguments cannot cross the boundary, Busy if
+        ``limits.source_bytes``, if the arguments cannot cross the boundary, or for
+        ``limits`` that would not narrow the sandbox's, Busy if
         ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
         after ``close()``.
         """
-        return self._runner.run(self._job(code, entry, args, kwargs))
+        return self._runner.run(self._job(code, entry, args, kwargs, limits))
 
     async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
-                   kwargs: Mapping[str, Any] | None = None) -> RunResult:
+                   kwargs: Mapping[str, Any] | None = None,
+                   limits: Mapping[str, Any] | None = None) -> RunResult:
         """``run`` for async code: the run executes on a worker thread; the loop never blocks.
 
         Cancelling the awaiting task stops the guest promptly, frees its instance, and then
         raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
         """
-        return await self.start(code, entry=entry, args=args, kwargs=kwargs)
+        return await self.start(code, entry=entry, args=args, kwargs=kwargs, limits=limits)
 
     def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
-              kwargs: Mapping[str, Any] | None = None) -> RunHandle:
+              kwargs: Mapping[str, Any] | None = None,
+              limits: Mapping[str, Any] | None = None) -> RunHandle:
         """Start a run on a worker thread and return its handle at once.
 
         ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
         stops it (its result then says ``limit_exceeded == "cancelled"``). Raises Busy if
         the queue is full, and UsageError/SandboxClosed as ``run`` does.
         """
-        return self._runner.start(self._job(code, entry, args, kwargs))
+        return self._runner.start(self._job(code, entry, args, kwargs, limits))
 
-    def call(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
+    def call(self, code: str, entry: str, /, *args: Any,
+             limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
         """Run ``code``, then call its function ``entry`` with the arguments; return its value.
 
+        ``limits`` narrows this run's limits as in ``run`` (so it is not passed on to the
+        function: pass a keyword argument named ``limits`` with ``run(..., kwargs=...)``).
         Raises GuestError if the guest raised or exited non-zero, LimitExceeded if a limit
         was hit, and UsageError as ``run`` does.
         """
-        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs))
+        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs, limits=limits))
 
-    async def acall(self, code: str, entry: str, /, *args: Any, **kwargs: Any) -> Any:
+    async def acall(self, code: str, entry: str, /, *args: Any,
+                    limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
         """``call`` for async code; raises as ``call`` and ``arun`` do."""
-        return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs))
+        return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs,
+                                      limits=limits))
 
     def close(self) -> None:
         """Close the sandbox; idempotent. Runs already in progress finish normally; runs
@@ -187,14 +201,15 @@ class Sandbox:
         if self._closed:
             raise SandboxClosed("this Sandbox is closed; create a new one")
 
-    def _check_source(self, code: str) -> str:
+    def _check_source(self, code: str, limits: Limits | None = None) -> str:
         self._ensure_open()
         if not isinstance(code, str):
             raise UsageError(f"code must be a str, not {type(code).__name__}")
         size = len(code.encode("utf-8", errors="surrogatepass"))
-        if size > self.limits.source_bytes:
+        cap = (limits or self.limits).source_bytes
+        if size > cap:
             raise UsageError(f"the code is {size} bytes, over the source_bytes limit of "
-                             f"{self.limits.source_bytes}; raise Limits.source_bytes to allow it")
+                             f"{cap}; raise Limits.source_bytes to allow it")
         return code
 
     def _execute_batch(self, code: str, entry: str, records: bytes,
@@ -217,16 +232,18 @@ class Sandbox:
         return outcome
 
     def _job(self, code: str, entry: str | None, args: Sequence[Any],
-             kwargs: Mapping[str, Any] | None) -> Job:
+             kwargs: Mapping[str, Any] | None, narrow: Mapping[str, Any] | None) -> Job:
         """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
-        code = self._check_source(code)
+        self._ensure_open()
+        limits = self.limits if narrow is None else self.limits.narrow(narrow)
+        code = self._check_source(code, limits)
         if entry is None:
             if args or kwargs:
                 raise UsageError("args and kwargs need an entry function to pass them to")
-            return Job(op="run", code=code, limits=self.limits, policy=self.policy)
+            return Job(op="run", code=code, limits=limits, policy=self.policy)
         if not isinstance(entry, str) or not entry.isidentifier():
             raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return Job(op="call", code=code, limits=self.limits, policy=self.policy,
+        return Job(op="call", code=code, limits=limits, policy=self.policy,
                    entry=entry, args=tuple(args), kwargs=dict(kwargs or {}))
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._concurrency import RunHandle
-from ._config import Config, TenantConfig, hash_token
+from ._config import Config, LimitsConfig, TenantConfig, hash_token
 from ._errors import Busy, ConfigError, UsageError, WasiboxError
 from ._result import RunResult
 from ._sandbox import Sandbox
@@ -76,6 +76,11 @@ class RunRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     code: str = Field(description="Python source to run")
+    limits: LimitsConfig | None = Field(
+        default=None,
+        description="lower some of the tenant's limits for this run, with the keys of the "
+                    "config file's limits table (fuel, timeout_s, memory_bytes, ...); a value "
+                    "above the tenant's own is refused with 422")
 
 
 class CallRequest(RunRequest):
@@ -216,7 +221,8 @@ def make_sandbox(name: str, tenant: TenantConfig) -> Sandbox:
     try:
         return Sandbox(tenant.limits.to_limits(), seed=tenant.seed, clock=tenant.clock,
                        entropy=tenant.entropy, max_concurrency=tenant.max_concurrency,
-                       max_queue=tenant.max_queue, **grants)
+                       max_queue=tenant.max_queue, backend=tenant.backend,
+                       allow_emulation=tenant.allow_emulation, **grants)
     except ConfigError:
         raise
     except UsageError as exc:  # e.g. two mounts at the same guest path
@@ -278,7 +284,8 @@ class _Gate:
     def __init__(self, app: ASGIApp, *, tenants: dict[str, _Tenant], max_body_bytes: int,
                  metrics: _Metrics) -> None:
         self.app = app
-        self.by_digest = {t.config.token_sha256: t for t in tenants.values()}
+        self.by_digest = {t.config.token_sha256: t for t in tenants.values()
+                          if t.config.token_sha256 is not None}
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -355,8 +362,14 @@ async def _refuse(send: Send, status: int, detail: str,
 def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The ASGI application for ``config``: one Sandbox per tenant, closed at shutdown.
 
-    Raises ConfigError for a tenant whose policy cannot be enforced (see ``make_sandbox``).
+    Raises ConfigError for a tenant without a ``token_sha256`` and for a tenant whose
+    policy cannot be enforced (see ``make_sandbox``).
     """
+    tokenless = [name for name, tenant in config.tenants.items() if tenant.token_sha256 is None]
+    if tokenless:
+        raise ConfigError(f"tenants.{tokenless[0]}.token_sha256: wasibox serve needs it to "
+                          "know the tenant's requests: the hex SHA-256 of its bearer token "
+                          "(printf %s \"$TOKEN\" | sha256sum)")
     tenants: dict[str, _Tenant] = {}
     try:
         for name, tenant_config in config.tenants.items():
@@ -388,12 +401,13 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
     async def execute(request: Request, op: str, body: RunRequest) -> Response:
         tenant: _Tenant = request.state.tenant
         started = time.perf_counter()
+        narrow = body.limits.model_dump(exclude_none=True) if body.limits else None
         try:
             if isinstance(body, CallRequest):
                 handle = tenant.sandbox.start(body.code, entry=body.entry, args=body.args,
-                                              kwargs=body.kwargs)
+                                              kwargs=body.kwargs, limits=narrow)
             else:
-                handle = tenant.sandbox.start(body.code)
+                handle = tenant.sandbox.start(body.code, limits=narrow)
             result = await _unless_disconnected(request, handle)
         except Busy:
             metrics.rejected.labels("busy").inc()
@@ -534,6 +548,9 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8080, *,
     from ._config import load_config
 
     config = load_config(config_path)
+    for name, tenant in config.tenants.items():
+        for warning in tenant.warnings(name):
+            print(f"wasibox serve: warning: {warning}", file=sys.stderr, flush=True)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
