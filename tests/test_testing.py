@@ -124,12 +124,42 @@ def test_fuzz_finds_and_shrinks_the_planted_bug() -> None:
     [failure] = report.failures
     assert failure.kind == "exception" and "NUL after a digit" in failure.message
     assert failure.example == ("0\x00",)
-    # The replay line reruns the example and shows the same failure.
-    env = child_env()  # `python` on PATH is this interpreter, as in the user's shell
+    # The replay line is short (the code and the example are saved to files) and reruns
+    # the example with the same failure.
+    assert failure.replay.startswith("wasibox fuzz ") and "--replay-file" in failure.replay
+    assert "def parse" not in failure.replay and len(failure.replay) < 200
+    replay = run_replay_line(failure.replay)
+    assert replay.returncode == 1 and "NUL after a digit" in replay.stdout
+
+
+def run_replay_line(line: str) -> subprocess.CompletedProcess[str]:
+    """Run a printed replay line in a shell, as a user would paste it."""
+    env = child_env()  # `wasibox` on PATH is this interpreter's, as in the user's shell
     env["PATH"] = os.pathsep.join([os.path.dirname(PYTHON), env.get("PATH", "")])
-    replay = subprocess.run(["bash", "-c", failure.replay], capture_output=True, text=True,
-                            env=env, timeout=120)
-    assert "NUL after a digit" in replay.stdout
+    return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_replay_lines_carry_the_limits_that_failed(tmp_path: Path) -> None:
+    limits = wasibox.Limits(fuel=30_000_000)
+    code = "def spin(n: int) -> int:\n    while n > 3:\n        pass\n    return n\n"
+    report = wt.fuzz(code, "spin", max_examples=20, limits=limits, replay_dir=tmp_path,
+                     check_determinism=False)
+    [failure] = report.failures
+    assert failure.kind == "limit" and failure.example == (4,)
+    assert "--fuel 30000000" in failure.replay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spin-limit.txt", "spin.py"]
+    replayed = run_replay_line(failure.replay)
+    assert replayed.returncode == 1 and '"limit_exceeded": "fuel"' in replayed.stdout
+    fine = run_replay_line(failure.replay.replace(str(tmp_path / "spin-limit.txt"),
+                                                  str(tmp_path / "three.txt")))
+    assert fine.returncode == 2 and "cannot read" in fine.stderr
+
+
+@given(st.tuples(wt.PLAIN_DATA, st.floats(), st.lists(st.floats()), wt.BINARY))
+@settings(max_examples=200, deadline=None)
+def test_saved_examples_read_back_as_they_were(example: tuple[object, ...]) -> None:
+    assert repr(wt.read_example(ascii(example))) == repr(example)
 
 
 def test_fuzz_reports_a_clean_function_as_ok() -> None:
@@ -165,7 +195,9 @@ def test_fuzz_cli_reports_and_replays(tmp_path: Path) -> None:
     assert found.returncode == 1, found.stderr
     assert "NUL after a digit" in found.stdout and "'0\\x00'" in found.stdout
     replay_line = next(line for line in found.stdout.splitlines() if "replay:" in line)
-    assert "--replay" in replay_line and str(guest) in replay_line
+    assert "--replay-file" in replay_line and str(guest) in replay_line
+    replayed_line = run_replay_line(replay_line.split("replay:", 1)[1].strip())
+    assert replayed_line.returncode == 1 and "NUL after a digit" in replayed_line.stdout
     replayed = subprocess.run([PYTHON, "-m", "wasibox", "fuzz", str(guest), "--entry", "parse",
                                "--replay", "('0\\x00',)"], capture_output=True, text=True,
                               env=child_env(), timeout=120)
