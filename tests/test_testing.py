@@ -227,18 +227,72 @@ def test_profiles():
 
 def test_pytest_plugin_fixture_and_profiles(tmp_path: Path) -> None:
     (tmp_path / "test_uses_plugin.py").write_text(PLUGIN_TEST)
+    result = run_pytest(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+GIVEN_TESTS = """
+import pytest
+import wasibox
+from hypothesis import given, settings, strategies as st
+
+@given(st.integers())
+def test_shared_sandbox(wasibox_sandbox, n):
+    assert wasibox_sandbox.run(f"print({n} * 2)").stdout == f"{n * 2}\\n"
+
+@settings(max_examples=5)
+@pytest.mark.wasibox(limits=wasibox.Limits(fuel=50_000_000),
+                     mounts=[wasibox.Mount.scratch("/tmp")])
+@given(st.text())
+def test_scratch_is_per_run(wasibox_sandbox, text):
+    code = "import os; print(os.listdir('/tmp')); open('/tmp/x', 'w').write('1')"
+    assert wasibox_sandbox.run(code).stdout == "[]\\n"
+
+@given(st.integers())
+def test_other_fixture_keeps_the_check(wasibox_sandbox, tmp_path, n):
+    pass
+
+@pytest.mark.wasibox(workspace=".")
+@given(st.integers())
+def test_workspace_keeps_the_check(wasibox_sandbox, n):
+    pass
+
+@pytest.mark.wasibox(clok="real")
+def test_unknown_option(wasibox_sandbox):
+    pass
+
+@pytest.mark.wasibox("real")
+def test_positional_option(wasibox_sandbox):
+    pass
+"""
+
+
+@pytest.mark.parametrize("profile", [None, "wasibox", "wasibox-ci"])
+def test_the_fixture_serves_given_tests_where_sharing_is_sound(tmp_path: Path,
+                                                               profile: str | None) -> None:
+    (tmp_path / "test_given.py").write_text(GIVEN_TESTS)
+    chosen = [] if profile is None else [f"--hypothesis-profile={profile}"]
+    result = run_pytest(tmp_path, *chosen)
+    out = result.stdout
+    assert "2 failed, 2 passed, 2 errors" in out, out + result.stderr
+    for name in ("test_other_fixture_keeps_the_check", "test_workspace_keeps_the_check"):
+        assert f"'test_given.py::{name}' uses a function-scoped fixture" in out
+    assert "@pytest.mark.wasibox: " in out and "'clok'" in out
+    assert "takes keyword arguments of wasibox.Sandbox" in out
+
+
+def run_pytest(directory: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """pytest in a child process on ``directory``, with the wasibox plugin loaded."""
     # Installed, wasibox registers the plugin through its pytest11 entry point; naming it
     # again with -p would register it twice. From a source tree that is not installed
     # (only on PYTHONPATH), the entry point is absent and -p loads it.
     installed = any(entry.name == "wasibox"
                     for entry in importlib.metadata.entry_points(group="pytest11"))
     load = [] if installed else ["-p", "wasibox.pytest_plugin"]
-    result = subprocess.run([PYTHON, "-m", "pytest", "-q", *load,
-                             "-p", "no:cacheprovider", str(tmp_path)],
-                            capture_output=True, text=True, env=child_env(), timeout=300,
-                            cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 passed" in result.stdout
+    return subprocess.run([PYTHON, "-m", "pytest", "-q", *load, "-p", "no:cacheprovider",
+                           *options, str(directory)], capture_output=True, text=True,
+                          env=child_env(), timeout=300, cwd=directory)
 
 
 def test_plugin_is_declared_as_a_pytest11_entry_point() -> None:
