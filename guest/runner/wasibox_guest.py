@@ -346,6 +346,35 @@ asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._close_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._write_to_self = lambda loop: None
 
+# WASI refuses sockets with errors that read like a broken network ("gaierror: Non-recoverable
+# error"), and threads with "can't start new thread". Say what the sandbox lacks instead.
+import _thread  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+
+_NO_SOCKETS = ("the sandbox has no network sockets: for HTTP use urllib.request or "
+               "host.http.request, which the host carries out under its HTTP policy")
+_NO_THREADS = ("can't start new thread: the sandbox has no threads (CPython on "
+               "WebAssembly); do the work in the calling thread")
+
+
+def _no_sockets(*args, **kwargs):
+    raise host.CapabilityDenied(_NO_SOCKETS)
+
+
+def _no_threads(*args, **kwargs):
+    raise RuntimeError(_NO_THREADS)  # the type CPython raises, so callers' handlers still work
+
+
+socket.socket.__init__ = _no_sockets
+for _name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr",
+              "getnameinfo", "socketpair", "fromfd"):
+    setattr(socket, _name, _no_sockets)
+_thread.start_new_thread = _thread.start_new = _no_threads
+if hasattr(_thread, "start_joinable_thread"):
+    _thread.start_joinable_thread = _no_threads
+threading._start_joinable_thread = threading._start_new_thread = _no_threads
+
 # Files exist only under the host's mounts (see wasibox_files.py).
 wasibox_files.install()
 
