@@ -119,6 +119,10 @@ def test_read_a_mount_and_publish_an_artifact(tree: dict[str, Path], fds: int) -
             "[('/data', ['in.csv']), ('/data/sub', []), ('/data/sub/deeper', ['note.txt'])]"]
         report = (tree["out"] / "report.csv").read_bytes()
         assert report == b"total\r\n6\r\n"
+        # What stays in the user's directory explains itself.
+        staging = tree["out"] / STAGING_DIR
+        assert sorted(os.listdir(staging)) == ["README.txt", "publish.lock", "setup.lock"]
+        assert "belongs to wasibox" in (staging / "README.txt").read_text()
         records = {f.path: f for f in r.files}
         assert set(records) == {"/out/report.csv", "/out/logs/run.txt", "/out/note.txt"}
         assert records["/out/report.csv"] == wasibox.FileRecord(
