@@ -82,7 +82,7 @@ from .._guest import cache_dir, file_lock
 from .._hostcall import HostCalls, StopRun
 from .._http import HttpGate
 from .._limits import Limit, Limits
-from .._progress import Reporter, heartbeat, stderr_reporter
+from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._vm_files import CopyIn, CopyOut, QuotaExceeded
 from .._vm_image import ImageConfig, VMImage, ensure_image, image_modules
@@ -628,7 +628,7 @@ class MicroVMRuntime:
 
     def __init__(self, config: ImageConfig | None = None, *, engine: Engine | None = None,
                  progress: Reporter | None = None) -> None:
-        self.progress = progress or stderr_reporter()
+        self.progress = progress or library_reporter()
         _reap_stale_run_directories()
         self.engine = engine or QemuMicrovm()
         self.image = ensure_image(config, self.progress)
