@@ -168,6 +168,14 @@ def _parser() -> argparse.ArgumentParser:
                     "digest and cache state, and KVM availability. Never builds anything.")
     doctor.set_defaults(handler=_cmd_doctor)
 
+    reference = commands.add_parser(
+        "config-reference",
+        help="print the reference of every configuration key (Markdown)",
+        description="Print the reference of every key of the configuration file that "
+                    "'wasibox serve' and 'wasibox mcp' read, generated from the models that "
+                    "parse it: its type, default, bounds and meaning.")
+    reference.set_defaults(handler=_cmd_config_reference)
+
     from ._vm_cli import add_microvm_command
 
     add_microvm_command(commands)
@@ -295,6 +303,13 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         print(f"wasibox: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
               file=sys.stderr)
         return EXIT_WASIBOX_ERROR
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from ._config_reference import config_reference
+
+    sys.stdout.write(config_reference())
+    return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
