@@ -378,6 +378,40 @@ threading._start_joinable_thread = threading._start_new_thread = _no_threads
 # Files exist only under the host's mounts (see wasibox_files.py).
 wasibox_files.install()
 
+
+class _MountFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports modules and packages from the directories code puts on ``sys.path`` (empty by
+    default), which can only be mounts: files are found and read through the files
+    capability, as every other read is, so only what the host mounted can be imported."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        name = fullname.rpartition(".")[2]
+        for entry in sys.path if path is None else path:
+            if not isinstance(entry, str) or not entry.startswith("/"):
+                continue
+            base = f"{entry.rstrip('/')}/{name}"
+            for filename, package in ((f"{base}/__init__.py", True), (f"{base}.py", False)):
+                if os.path.isfile(filename):
+                    spec = importlib.machinery.ModuleSpec(fullname, self, origin=filename,
+                                                          is_package=package)
+                    spec.has_location = True
+                    if package:
+                        spec.submodule_search_locations = [base]
+                    return spec
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        filename = module.__spec__.origin
+        with open(filename, encoding="utf-8") as handle:
+            source = handle.read()
+        exec(compile(source, filename, "exec"), module.__dict__)
+
+
+sys.meta_path.append(_MountFinder())
+
 # -- run time --------------------------------------------------------------------------------
 
 _SOURCE_NAME = "<sandbox>"
