@@ -6,14 +6,15 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 port=${PORT:-8080}
 token=example-token-change-me
+log=$(mktemp)  # the server's per-run log lines, shown if it does not start
 ${WASIBOX:-wasibox} serve --config "$here/wasibox.toml" --host 127.0.0.1 --port "$port" \
-    2>"${TMPDIR:-/tmp}/wasibox-serve-$$.log" &
+    2>"$log" &
 server=$!
-trap 'kill "$server" 2>/dev/null; rm -f "${TMPDIR:-/tmp}/wasibox-serve-$$.log"' EXIT
+trap 'kill "$server" 2>/dev/null; rm -f "$log"' EXIT
 tries=0
 until curl -fs "http://127.0.0.1:$port/healthz" >/dev/null; do
     tries=$((tries + 1))
-    if [ "$tries" -gt 300 ]; then echo "the server did not start" >&2; exit 1; fi
+    if [ "$tries" -gt 300 ]; then echo "the server did not start:" >&2; cat "$log" >&2; exit 1; fi
     sleep 0.1
 done
 

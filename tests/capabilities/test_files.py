@@ -821,19 +821,19 @@ def test_opening_directories(tree: dict[str, Path], fds: int) -> None:
 
 
 def test_modules_import_from_mounts_on_sys_path_and_nowhere_else(tree: dict[str, Path]) -> None:
-    (tree["data"] / "helper.py").write_text("def double(x):\n    return 2 * x\n")
+    (tree["data"] / "doubling.py").write_text("def double(x):\n    return 2 * x\n")
     (tree["data"] / "pkg").mkdir()
     (tree["data"] / "pkg" / "__init__.py").write_text("from . import inner\n")
     (tree["data"] / "pkg" / "inner.py").write_text("VALUE = 'inner'\n")
     (tree["outside"] / "escaped.py").write_text("print('imported from outside')\n")
     (tree["root"] / "escaped.py").write_text("print('imported from outside')\n")
     with sandbox(tree) as sb:
-        r = sb.run("import sys\nsys.path.insert(0, '/data')\nimport helper, pkg\n"
-                   "print(helper.double(21), pkg.inner.VALUE, helper.__file__)")
-        assert r.ok and r.stdout == "42 inner /data/helper.py\n", r.error
+        r = sb.run("import sys\nsys.path.insert(0, '/data')\nimport doubling, pkg\n"
+                   "print(doubling.double(21), pkg.inner.VALUE, doubling.__file__)")
+        assert r.ok and r.stdout == "42 inner /data/doubling.py\n", r.error
         for entry in ("/data/..", "/data/../outside", "/outside", "/"):
             r = sb.run(f"import sys\nsys.path.insert(0, {entry!r})\nimport escaped")
             assert r.error is not None and r.error.type == "ModuleNotFoundError", (entry, r)
         # Without the mount on sys.path, nothing is imported from it.
-        r = sb.run("import helper")
+        r = sb.run("import doubling")
         assert r.error is not None and r.error.type == "ModuleNotFoundError"
