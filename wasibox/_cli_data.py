@@ -22,7 +22,7 @@ from typing import IO, Any, Literal
 
 import msgpack
 
-from ._batch import decode_batch_reply, encode_records
+from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
 from ._limits import Limits
 from ._select import parse
@@ -281,7 +281,8 @@ def _check_entry(transform: Any, code: str, entry: str, code_file: str) -> None:
     if outcome.reply is None or outcome.limit_exceeded is not None:
         return  # the run below reports it
     try:
-        reply = decode_batch_reply(outcome.reply, 0, BATCH_REPLY_LIMIT)
+        reply = decode_batch_reply(outcome.reply, 0, BATCH_REPLY_LIMIT,
+                                   batch_elements(transform.spec.limits.memory_bytes, 0))
     except ProtocolError:
         return
     if reply.error is not None and reply.error.get("type") == "NameError" and \
