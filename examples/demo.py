@@ -3,12 +3,15 @@
 The transform below is "untrusted" code: it runs in a fresh CPython-on-WebAssembly instance
 with no files, no network and a virtual clock. The host reads the file and passes the rows
 in; the guest returns per-customer totals. Running it twice gives the same output and the
-same fuel, which is what makes fuel a usable, reproducible cost measure.
+same fuel, which is what makes fuel a usable, reproducible cost measure. Then the demo shows
+what the sandbox refuses: a file outside its mounts, the cloud metadata address, and a
+program that never ends.
 
 Usage: python examples/demo.py examples/data/orders.csv
 """
 
 import csv
+import os
 import sys
 
 import wasibox
@@ -56,6 +59,37 @@ def main(path: str) -> None:
     print(f"second run identical (output and fuel): "
           f"{first.value == second.value and first.fuel_used == second.fuel_used}")
     print(f"guest sha256: {wasibox.guest_digest()}")
+    show_refusals(os.path.dirname(os.path.abspath(path)))
+
+
+#: Untrusted code that tries what it must not, and how each attempt should end.
+ATTEMPTS = [
+    ("a file outside the mounts", "print(open('/data/../../etc/passwd').read())"),
+    ("the cloud metadata address, although the HTTP policy lists it",
+     "import urllib.request\n"
+     "urllib.request.urlopen('http://169.254.169.254/latest/meta-data/')"),
+    ("a program that never ends", "while True:\n    pass"),
+]
+
+
+def show_refusals(data_dir: str) -> None:
+    # The guest sees the data directory read-only at /data, and may use HTTP, but only to
+    # the address below: mediated HTTP still refuses link-local and metadata addresses.
+    policy = wasibox.HttpPolicy(allow=["169.254.169.254"])
+    limits = wasibox.Limits(fuel=100_000_000, timeout_s=5)
+    with wasibox.Sandbox(limits, mounts=[wasibox.Mount(data_dir, "/data")],
+                         http=policy) as sandbox:
+        print("\nwhat the sandbox refuses (each a result, never a crash of the host):")
+        for what, code in ATTEMPTS:
+            result = sandbox.run(code)
+            if result.limit_exceeded is not None:
+                outcome = (f"stopped by its {result.limit_exceeded} limit after "
+                           f"{result.fuel_used:,} fuel")
+            elif result.error is not None:
+                outcome = f"{result.error.type}: {result.error.message}"
+            else:
+                outcome = f"NOT REFUSED: {result.stdout[:80]!r}"
+            print(f"  {what}: {outcome}")
 
 
 if __name__ == "__main__":

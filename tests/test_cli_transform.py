@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -98,3 +99,58 @@ def test_help_explains_formats() -> None:
     assert done.returncode == 0
     for word in (".jsonl", ".csv", ".msgpack", "records/s", "--batch-size", "--on-error"):
         assert word in done.stdout
+
+
+def test_a_failed_run_leaves_no_partial_output(tmp_path: Path) -> None:
+    code = tmp_path / "t.py"
+    code.write_text("def transform(r):\n    return 10 // r['n']\n")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"n": n}) + "\n" for n in (1, 2, 0, 5)))
+    out = tmp_path / "out.jsonl"
+    failed = transform_cli(str(code), str(src), str(out), "--batch-size", "1")
+    assert failed.returncode == 1 and "record 2" in failed.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "t.py"]
+    out.write_text("earlier output\n")  # an existing OUTPUT survives a failed run whole
+    again = transform_cli(str(code), str(src), str(out), "--batch-size", "1")
+    assert again.returncode == 1 and out.read_text() == "earlier output\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl", "t.py"]
+    fine = transform_cli(str(code), str(src), str(out), "--on-error", "skip")
+    assert fine.returncode == 0, fine.stderr
+    assert read(out) == [10, 5, 2]  # type: ignore[comparison-overlap]
+    assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_missing_entry_is_a_usage_error(tmp_path: Path, on_error: str) -> None:
+    code = tmp_path / "t.py"
+    code.write_text(CODE)
+    src = tmp_path / "in.csv"
+    write(src, RECORDS)
+    out = tmp_path / "out.jsonl"
+    done = transform_cli(str(code), str(src), str(out), "--entry", "nope", "--on-error", on_error)
+    assert done.returncode == 2, done.stderr
+    assert "defines no function named 'nope' (--entry); it defines transform" in done.stderr
+    assert "record 0" not in done.stderr and not out.exists()
+    # An entry bound where the host cannot see it statically is found by running the code.
+    code.write_text(CODE.replace("def transform", "def _t") + "globals()['trans' + 'form'] = _t\n")
+    dynamic = transform_cli(str(code), str(src), str(out), "--on-error", on_error)
+    assert dynamic.returncode == 0, dynamic.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == EXPECTED
+    missing = transform_cli(str(code), str(src), str(out), "--entry", "nope2")
+    assert missing.returncode == 2 and "'nope2'" in missing.stderr and "_t" in missing.stderr
+
+
+def test_transform_and_fuzz_help_describe_their_own_command() -> None:
+    helps = {command: subprocess.run([PYTHON, "-m", "wasibox", command, "--help"],
+                                     capture_output=True, text=True, env=child_env(),
+                                     timeout=60).stdout
+             for command in ("transform", "fuzz")}
+    assert "fuzz" not in helps["transform"] and "partial output" in helps["transform"]
+    for text in helps.values():
+        assert "--entry ENTRY" in text and "(default: transform)" in text

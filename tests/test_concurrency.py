@@ -427,7 +427,7 @@ def test_cancel_while_publishing_discards_the_staged_files(
     assert (result.ok, result.limit_exceeded, result.files) == (False, Limit.CANCELLED, [])
     assert handle.state == RunState.CANCELLED
     assert [p.name for p in tmp_path.iterdir()] in ([], [STAGING_DIR])  # nothing published
-    staged = [p.name for p in (tmp_path / STAGING_DIR).glob("*") if p.name != "setup.lock"]
+    staged = [p.name for p in (tmp_path / STAGING_DIR).glob("run-*")]
     assert staged == []  # and the run's staging is gone
 
 

@@ -9,8 +9,9 @@ import pytest
 import wasibox
 
 EXPECTED = {
-    "Busy", "CapabilityEvent", "ConfigError", "Failed", "FileRecord", "GuestBuildError",
-    "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount",
+    "Busy", "CapabilityEvent", "ConfigError", "EmulationRefused", "Failed", "FileRecord",
+    "GuestBuildError", "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded",
+    "Limits", "Mount",
     "RefusedFile", "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed",
     "Transform", "TransformProgress", "TransformSpec", "UsageError", "WasiboxError",
     "guest_digest", "run",
@@ -31,6 +32,7 @@ def test_error_tree_has_one_root() -> None:
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
     assert issubclass(wasibox.ConfigError, wasibox.UsageError)
+    assert issubclass(wasibox.EmulationRefused, wasibox.UsageError)
 
 
 def test_no_wasmtime_type_in_public_signatures() -> None:

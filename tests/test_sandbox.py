@@ -122,7 +122,41 @@ def test_no_sockets(sandbox: wasibox.Sandbox) -> None:
     r = sandbox.run("import socket\ns = socket.create_connection(('127.0.0.1', 80), timeout=1)")
     assert not r.ok and r.error is not None
     assert r.error.type in {"OSError", "PermissionError", "ConnectionRefusedError",
-                            "BlockingIOError", "gaierror"} or "Error" in r.error.type
+                            "BlockingIOError", "gaierror", "CapabilityDenied"} \
+        or "Error" in r.error.type
+
+
+@pytest.mark.parametrize("attempt", [
+    "socket.socket()",
+    "socket.create_connection(('93.184.216.34', 80), timeout=1)",
+    "socket.getaddrinfo('example.com', 80)",
+    "socket.gethostbyname('localhost')",
+    "socket.socketpair()",
+])
+def test_sockets_are_refused_with_a_hint(sandbox: wasibox.Sandbox, attempt: str) -> None:
+    r = sandbox.run(f"import socket\n{attempt}")
+    assert r.error is not None and r.error.type == "CapabilityDenied", r.error
+    assert "no network sockets" in r.error.message and "urllib.request" in r.error.message
+    caught = sandbox.run(f"import socket\ntry:\n    {attempt}\nexcept PermissionError:\n"
+                         "    print('caught as PermissionError')")
+    assert caught.stdout == "caught as PermissionError\n"
+
+
+def test_raw_sockets_stay_closed_without_the_hint(sandbox: wasibox.Sandbox) -> None:
+    # The hint is the guest runner's; the guarantee is WASI's: the engine grants no sockets.
+    r = sandbox.run("import _socket\ns = _socket.socket()\ns.connect(('93.184.216.34', 80))")
+    assert r.error is not None and r.error.type in {"OSError", "PermissionError"}
+
+
+@pytest.mark.parametrize("attempt", [
+    "threading.Thread(target=print).start()",
+    "concurrent.futures.ThreadPoolExecutor().submit(print)",
+    "_thread.start_new_thread(print, ())",
+])
+def test_threads_say_the_guest_has_none(sandbox: wasibox.Sandbox, attempt: str) -> None:
+    r = sandbox.run(f"import _thread, threading, concurrent.futures\n{attempt}")
+    assert r.error is not None and r.error.type == "RuntimeError", r.error
+    assert "can't start new thread: the sandbox has no threads" in r.error.message
 
 
 def test_error_messages_contain_no_host_paths(sandbox: wasibox.Sandbox) -> None:

@@ -124,12 +124,42 @@ def test_fuzz_finds_and_shrinks_the_planted_bug() -> None:
     [failure] = report.failures
     assert failure.kind == "exception" and "NUL after a digit" in failure.message
     assert failure.example == ("0\x00",)
-    # The replay line reruns the example and shows the same failure.
-    env = child_env()  # `python` on PATH is this interpreter, as in the user's shell
+    # The replay line is short (the code and the example are saved to files) and reruns
+    # the example with the same failure.
+    assert failure.replay.startswith("wasibox fuzz ") and "--replay-file" in failure.replay
+    assert "def parse" not in failure.replay and len(failure.replay) < 200
+    replay = run_replay_line(failure.replay)
+    assert replay.returncode == 1 and "NUL after a digit" in replay.stdout
+
+
+def run_replay_line(line: str) -> subprocess.CompletedProcess[str]:
+    """Run a printed replay line in a shell, as a user would paste it."""
+    env = child_env()  # `wasibox` on PATH is this interpreter's, as in the user's shell
     env["PATH"] = os.pathsep.join([os.path.dirname(PYTHON), env.get("PATH", "")])
-    replay = subprocess.run(["bash", "-c", failure.replay], capture_output=True, text=True,
-                            env=env, timeout=120)
-    assert "NUL after a digit" in replay.stdout
+    return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_replay_lines_carry_the_limits_that_failed(tmp_path: Path) -> None:
+    limits = wasibox.Limits(fuel=30_000_000)
+    code = "def spin(n: int) -> int:\n    while n > 3:\n        pass\n    return n\n"
+    report = wt.fuzz(code, "spin", max_examples=20, limits=limits, replay_dir=tmp_path,
+                     check_determinism=False)
+    [failure] = report.failures
+    assert failure.kind == "limit" and failure.example == (4,)
+    assert "--fuel 30000000" in failure.replay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spin-limit.txt", "spin.py"]
+    replayed = run_replay_line(failure.replay)
+    assert replayed.returncode == 1 and '"limit_exceeded": "fuel"' in replayed.stdout
+    fine = run_replay_line(failure.replay.replace(str(tmp_path / "spin-limit.txt"),
+                                                  str(tmp_path / "three.txt")))
+    assert fine.returncode == 2 and "cannot read" in fine.stderr
+
+
+@given(st.tuples(wt.PLAIN_DATA, st.floats(), st.lists(st.floats()), wt.BINARY))
+@settings(max_examples=200, deadline=None)
+def test_saved_examples_read_back_as_they_were(example: tuple[object, ...]) -> None:
+    assert repr(wt.read_example(ascii(example))) == repr(example)
 
 
 def test_fuzz_reports_a_clean_function_as_ok() -> None:
@@ -165,7 +195,9 @@ def test_fuzz_cli_reports_and_replays(tmp_path: Path) -> None:
     assert found.returncode == 1, found.stderr
     assert "NUL after a digit" in found.stdout and "'0\\x00'" in found.stdout
     replay_line = next(line for line in found.stdout.splitlines() if "replay:" in line)
-    assert "--replay" in replay_line and str(guest) in replay_line
+    assert "--replay-file" in replay_line and str(guest) in replay_line
+    replayed_line = run_replay_line(replay_line.split("replay:", 1)[1].strip())
+    assert replayed_line.returncode == 1 and "NUL after a digit" in replayed_line.stdout
     replayed = subprocess.run([PYTHON, "-m", "wasibox", "fuzz", str(guest), "--entry", "parse",
                                "--replay", "('0\\x00',)"], capture_output=True, text=True,
                               env=child_env(), timeout=120)
@@ -195,18 +227,72 @@ def test_profiles():
 
 def test_pytest_plugin_fixture_and_profiles(tmp_path: Path) -> None:
     (tmp_path / "test_uses_plugin.py").write_text(PLUGIN_TEST)
+    result = run_pytest(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+GIVEN_TESTS = """
+import pytest
+import wasibox
+from hypothesis import given, settings, strategies as st
+
+@given(st.integers())
+def test_shared_sandbox(wasibox_sandbox, n):
+    assert wasibox_sandbox.run(f"print({n} * 2)").stdout == f"{n * 2}\\n"
+
+@settings(max_examples=5)
+@pytest.mark.wasibox(limits=wasibox.Limits(fuel=50_000_000),
+                     mounts=[wasibox.Mount.scratch("/tmp")])
+@given(st.text())
+def test_scratch_is_per_run(wasibox_sandbox, text):
+    code = "import os; print(os.listdir('/tmp')); open('/tmp/x', 'w').write('1')"
+    assert wasibox_sandbox.run(code).stdout == "[]\\n"
+
+@given(st.integers())
+def test_other_fixture_keeps_the_check(wasibox_sandbox, tmp_path, n):
+    pass
+
+@pytest.mark.wasibox(workspace=".")
+@given(st.integers())
+def test_workspace_keeps_the_check(wasibox_sandbox, n):
+    pass
+
+@pytest.mark.wasibox(clok="real")
+def test_unknown_option(wasibox_sandbox):
+    pass
+
+@pytest.mark.wasibox("real")
+def test_positional_option(wasibox_sandbox):
+    pass
+"""
+
+
+@pytest.mark.parametrize("profile", [None, "wasibox", "wasibox-ci"])
+def test_the_fixture_serves_given_tests_where_sharing_is_sound(tmp_path: Path,
+                                                               profile: str | None) -> None:
+    (tmp_path / "test_given.py").write_text(GIVEN_TESTS)
+    chosen = [] if profile is None else [f"--hypothesis-profile={profile}"]
+    result = run_pytest(tmp_path, *chosen)
+    out = result.stdout
+    assert "2 failed, 2 passed, 2 errors" in out, out + result.stderr
+    for name in ("test_other_fixture_keeps_the_check", "test_workspace_keeps_the_check"):
+        assert f"'test_given.py::{name}' uses a function-scoped fixture" in out
+    assert "@pytest.mark.wasibox: " in out and "'clok'" in out
+    assert "takes keyword arguments of wasibox.Sandbox" in out
+
+
+def run_pytest(directory: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """pytest in a child process on ``directory``, with the wasibox plugin loaded."""
     # Installed, wasibox registers the plugin through its pytest11 entry point; naming it
     # again with -p would register it twice. From a source tree that is not installed
     # (only on PYTHONPATH), the entry point is absent and -p loads it.
     installed = any(entry.name == "wasibox"
                     for entry in importlib.metadata.entry_points(group="pytest11"))
     load = [] if installed else ["-p", "wasibox.pytest_plugin"]
-    result = subprocess.run([PYTHON, "-m", "pytest", "-q", *load,
-                             "-p", "no:cacheprovider", str(tmp_path)],
-                            capture_output=True, text=True, env=child_env(), timeout=300,
-                            cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 passed" in result.stdout
+    return subprocess.run([PYTHON, "-m", "pytest", "-q", *load, "-p", "no:cacheprovider",
+                           *options, str(directory)], capture_output=True, text=True,
+                          env=child_env(), timeout=300, cwd=directory)
 
 
 def test_plugin_is_declared_as_a_pytest11_entry_point() -> None:

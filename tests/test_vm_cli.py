@@ -25,6 +25,17 @@ def test_doctor_reports_the_microvm() -> None:
     for field in ("qemu", "bubblewrap", "microvm image", "microvm accelerator",
                   "microvm emulation"):
         assert field in doctor.stdout
+    # A "tcg" accelerator always says why KVM is not used, even when /dev/kvm is present.
+    accelerator = next(line for line in doctor.stdout.splitlines()
+                       if line.startswith("microvm accelerator"))
+    if " tcg" in accelerator and "forced" not in accelerator:
+        assert "/dev/kvm" in accelerator and any(
+            reason in accelerator for reason in ("does not exist", "cannot open",
+                                                 "did not boot under KVM")), accelerator
+    emulation = next(line for line in doctor.stdout.splitlines()
+                     if line.startswith("microvm emulation"))
+    assert "allowed" in emulation and (emulation.endswith(" allowed")
+                                       or "--allow-emulation" in emulation)
 
 
 def test_run_backend_flag_is_offered() -> None:

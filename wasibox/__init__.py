@@ -10,6 +10,7 @@ from ._control import RunState
 from ._errors import (
     Busy,
     ConfigError,
+    EmulationRefused,
     GuestBuildError,
     GuestError,
     LimitExceeded,
@@ -31,6 +32,7 @@ __all__ = [
     "Busy",
     "CapabilityEvent",
     "ConfigError",
+    "EmulationRefused",
     "Failed",
     "FileRecord",
     "GuestBuildError",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from ._errors import UsageError, WasiboxError
+from ._errors import EmulationRefused, UsageError, WasiboxError
 from ._files import Mount
 from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
 from ._terminal import inert
@@ -32,6 +32,9 @@ Each run gets a fresh interpreter with nothing granted: no files, no network, no
 environment, a virtual clock and seeded entropy. CPU (fuel), wall-clock time, memory and
 output are capped.
 """
+
+#: How a command line allows the microVM to run under software emulation.
+_EMULATION_OPT_IN = "--allow-emulation (wasibox run) or WASIBOX_ALLOW_EMULATION=1"
 
 _RUN_EPILOG = """\
 exit status:
@@ -171,6 +174,14 @@ def _parser() -> argparse.ArgumentParser:
                     "digest and cache state, and KVM availability. Never builds anything.")
     doctor.set_defaults(handler=_cmd_doctor)
 
+    reference = commands.add_parser(
+        "config-reference",
+        help="print the reference of every configuration key (Markdown)",
+        description="Print the reference of every key of the configuration file that "
+                    "'wasibox serve' and 'wasibox mcp' read, generated from the models that "
+                    "parse it: its type, default, bounds and meaning.")
+    reference.set_defaults(handler=_cmd_config_reference)
+
     from ._vm_cli import add_microvm_command
 
     add_microvm_command(commands)
@@ -186,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status: int = args.handler(args)
+    except EmulationRefused:
+        # Said for this command line, not for the Python API.
+        print(f"wasibox: error: {EmulationRefused(_EMULATION_OPT_IN)}", file=sys.stderr)
+        return EXIT_WASIBOX_ERROR
     except WasiboxError as exc:
         print(f"wasibox: error: {exc}", file=sys.stderr)
         return EXIT_WASIBOX_ERROR
@@ -291,6 +306,13 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         return EXIT_WASIBOX_ERROR
 
 
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from ._config_reference import config_reference
+
+    sys.stdout.write(config_reference())
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ._guest import cache_dir, cached_guest_state
 
@@ -304,7 +326,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if not os.path.exists(kvm):
         kvm_state = "absent (/dev/kvm does not exist)"
     elif os.access(kvm, os.R_OK | os.W_OK):
-        kvm_state = "present and accessible (/dev/kvm)"
+        kvm_state = ("present and accessible (/dev/kvm); whether the microVM can use it is "
+                     "the 'microvm accelerator' line")
     else:
         kvm_state = "present but not accessible to this user (/dev/kvm)"
     rows = [

@@ -8,20 +8,26 @@ stream of msgpack objects). ``-`` means stdin / stdout as JSON Lines.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import csv
 import io
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Literal
 
 import msgpack
 
+from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
 from ._limits import Limits
+from ._select import parse
+from ._transform import BATCH_REPLY_LIMIT
+from ._wire import ProtocolError
 
 __all__ = ["FORMATS", "add_commands", "format_of", "read_records", "write_records"]
 
@@ -36,8 +42,12 @@ stream of msgpack objects). '-' is stdin/stdout as JSON Lines.
 Progress goes to stderr (a bar on a terminal); at the end, stderr gets the record count,
 records/s and the total fuel burnt.
 
-exit status: 0 on success, 1 if a record failed (with --on-error raise) or the fuzzer found
-a failure, 2 if wasibox could not run (bad arguments, unreadable files).
+OUTPUT is written to a temporary file beside it and renamed over it only when every record
+has been written: a failed or interrupted run leaves no partial output (and an existing
+OUTPUT as it was).
+
+exit status: 0 on success, 1 if a record failed (with --on-error raise), 2 if wasibox could
+not run (bad arguments, unreadable files, CODE_FILE defines no function ENTRY).
 
 examples:
   wasibox transform clean.py --entry transform orders.csv cleaned.jsonl
@@ -55,7 +65,7 @@ exit status: 0 if nothing failed, 1 if something did, 2 if wasibox could not run
 
 examples:
   wasibox fuzz parser.py --entry parse --max-examples 500
-  wasibox fuzz parser.py --entry parse --replay "('0\\x00',)"
+  wasibox fuzz parser.py --entry parse --replay-file failure-1.json
 """
 
 
@@ -149,7 +159,9 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                            help="stop at the first failed record, or skip failed records "
                                 "(default: %(default)s)")
-    transform.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    transform.add_argument("--seed", type=int, default=0,
+                           help="seed for the guest's random module and entropy "
+                                "(default: %(default)s)")
     transform.add_argument("--no-progress", action="store_true",
                            help="no progress bar, even on a terminal")
     limits_arguments(transform)
@@ -161,7 +173,8 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
                     "annotations.", epilog=_FUZZ_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     fuzz.add_argument("file", metavar="FILE", help="Python file defining ENTRY")
-    fuzz.add_argument("--entry", required=True, help="the function to fuzz")
+    fuzz.add_argument("--entry", default="transform",
+                      help="the function to fuzz (default: %(default)s)")
     fuzz.add_argument("--max-examples", type=int, default=100,
                       help="examples to try (default: %(default)s)")
     fuzz.add_argument("--seed", type=int, default=0,
@@ -170,9 +183,16 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
                       help="grant the host's real clock (fuzzing then finds nondeterminism)")
     fuzz.add_argument("--no-target", action="store_true",
                       help="do not steer the search towards examples that burn more fuel")
-    fuzz.add_argument("--replay", metavar="ARGS",
-                      help="run once with these arguments (a Python literal tuple) and print "
-                           "the result as JSON, instead of fuzzing")
+    replay = fuzz.add_mutually_exclusive_group()
+    replay.add_argument("--replay", metavar="ARGS",
+                        help="run once with these arguments (a Python literal tuple) and "
+                             "print the result as JSON, instead of fuzzing")
+    replay.add_argument("--replay-file", metavar="EXAMPLE",
+                        help="the same, with the arguments read from a file a failure's "
+                             "replay line names")
+    fuzz.add_argument("--replay-dir", metavar="DIR",
+                      help="where to save each failure's example for its replay line "
+                           "(default: a new temporary directory)")
     limits_arguments(fuzz)
     fuzz.set_defaults(handler=_cmd_fuzz)
 
@@ -191,16 +211,87 @@ def _read_code(path: str) -> str:
 
 
 @contextlib.contextmanager
-def _open(path: str, mode: str) -> Iterator[IO[bytes]]:
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """INPUT opened for reading (``-``: stdin); raises UsageError if it cannot be."""
     if path == "-":
-        yield sys.stdin.buffer if mode == "rb" else sys.stdout.buffer
+        yield sys.stdin.buffer
         return
     try:
-        handle = open(path, mode)  # noqa: SIM115 - closed below
+        handle = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise UsageError(f"cannot open {path}: {exc.strerror}") from None
     with handle:
         yield handle
+
+
+@contextlib.contextmanager
+def _atomic_output(path: str) -> Iterator[IO[bytes]]:
+    """OUTPUT to write (``-``: stdout): a temporary file beside ``path``, renamed over it
+    only when the block ends without an exception, and removed otherwise.
+
+    A failed run so leaves no partial output, and an existing file as it was. Raises
+    UsageError when the directory cannot take the file.
+    """
+    if path == "-":
+        yield sys.stdout.buffer
+        return
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        mask = os.umask(0o22)  # mkstemp makes 0600; give OUTPUT what open() would
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+        try:
+            os.replace(temporary, path)
+        except OSError as exc:
+            raise UsageError(f"cannot write {path}: {exc.strerror}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _check_entry(transform: Any, code: str, entry: str, code_file: str) -> None:
+    """Raise UsageError if ``code`` defines no ``entry``, before any record runs.
+
+    Most code binds its entry in plain sight (``def``, assignment, import): then nothing
+    runs here. Otherwise the code runs once in the sandbox with no records, and a guest
+    that reports the entry missing is taken at its word (at worst, a usage error).
+    """
+    try:
+        tree = parse(code)
+    except (SyntaxError, ValueError):
+        return  # the run reports it, with the guest's own traceback
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) \
+                and node.name == entry:
+            return
+        if isinstance(node, ast.Name) and node.id == entry and \
+                isinstance(node.ctx, ast.Store):
+            return
+        if isinstance(node, ast.alias) and \
+                (node.asname or node.name.partition(".")[0]) in (entry, "*"):
+            return
+    outcome = transform._sandbox._execute_batch(code, entry, encode_records([]))
+    if outcome.reply is None or outcome.limit_exceeded is not None:
+        return  # the run below reports it
+    try:
+        reply = decode_batch_reply(outcome.reply, 0, BATCH_REPLY_LIMIT,
+                                   batch_elements(transform.spec.limits.memory_bytes, 0))
+    except ProtocolError:
+        return
+    if reply.error is not None and reply.error.get("type") == "NameError" and \
+            reply.error.get("message") == f"the code defines no callable named {entry!r}":
+        defined = sorted(node.name for node in tree.body
+                         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef))
+        hint = (f"; it defines {', '.join(defined)}" if defined else
+                "; it defines no top-level function")
+        raise UsageError(f"{code_file} defines no function named {entry!r} (--entry){hint}")
 
 
 def _cmd_transform(args: argparse.Namespace) -> int:
@@ -211,6 +302,11 @@ def _cmd_transform(args: argparse.Namespace) -> int:
     in_format, out_format = format_of(args.input), format_of(args.output)
     transform = Transform(code, args.entry, limits=_limits(args), seed=args.seed,
                           on_error=args.on_error, batch_size=args.batch_size)
+    try:
+        _check_entry(transform, code, args.entry, args.code_file)
+    except BaseException:
+        transform.close()
+        raise
     show_bar = not args.no_progress and sys.stderr.isatty()
     started = time.perf_counter()
     done = [0, 0]
@@ -222,7 +318,7 @@ def _cmd_transform(args: argparse.Namespace) -> int:
 
     bar = progress_bar(sys.stderr)
     try:
-        with _open(args.input, "rb") as source, _open(args.output, "wb") as sink:
+        with _open(args.input) as source, _atomic_output(args.output) as sink:
             outputs = transform.imap(read_records(source, in_format), progress=progress)
             written = write_records(sink, out_format, outputs)
     except (GuestError, LimitExceeded) as exc:
@@ -249,12 +345,14 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
 
     code = _read_code(args.file)
     clock: Literal["virtual", "real"] = "real" if args.real_clock else "virtual"
+    if args.replay_file is not None:
+        args.replay = _read_code(args.replay_file)
     if args.replay is not None:
         result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock)
         print(json.dumps(result.to_dict(), indent=2))
         return 0 if result.ok else 1
     report = fuzz(code, args.entry, max_examples=args.max_examples, seed=args.seed,
                   limits=_limits(args), clock=clock, target_fuel=not args.no_target,
-                  path=args.file)
+                  path=args.file, replay_dir=args.replay_dir)
     print(report)
     return 0 if report.ok else 1

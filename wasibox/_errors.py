@@ -9,7 +9,8 @@
     ├── Busy                      max_concurrency runs are active and max_queue more wait
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
-        └── ConfigError           a service configuration file is invalid (names the key)
+        ├── ConfigError           a service configuration file is invalid (names the key)
+        └── EmulationRefused      the microVM would need software emulation, not allowed
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Busy",
     "ConfigError",
+    "EmulationRefused",
     "GuestBuildError",
     "GuestError",
     "LimitExceeded",
@@ -61,6 +63,28 @@ class SandboxClosed(UsageError):
 class ConfigError(UsageError):
     """A service configuration file could not be read or is invalid; the message names
     each bad key (``tenants.alice.limits.fuel: ...``)."""
+
+
+class EmulationRefused(UsageError):
+    """The microVM backend would run under QEMU's software emulation (TCG), because this
+    machine has no KVM that can run the guest kernel, and emulation was not allowed.
+
+    ``opt_in`` names how the caller allows it; the message is written for that caller
+    (a program, a command line, a service's operator).
+    """
+
+    def __init__(self, opt_in: str = "Sandbox(allow_emulation=True) or "
+                                      "WASIBOX_ALLOW_EMULATION=1") -> None:
+        self.opt_in = opt_in
+        super().__init__(
+            "the microVM backend would run under QEMU's software emulation (TCG): this "
+            "machine has no KVM that can run the guest kernel (`wasibox doctor` says why). "
+            "QEMU does not treat TCG as a security boundary, so wasibox refuses it unless "
+            f"you opt in with {opt_in} (and accept that guest code is ~15-30x slower and "
+            "less strongly isolated)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.opt_in,), self.args, self.__dict__))
 
 
 class GuestBuildError(WasiboxError):

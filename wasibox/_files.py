@@ -43,7 +43,9 @@ a read-only mount into a writable one.
 
 **Staging and publishing.** A writable mount's guest view is a per-run staging tree inside
 the mount's host directory (``<mount>/.wasibox-staging/run-*/tree``, hidden from the guest;
-inside, so every publish is a same-filesystem ``rename``). At the start of a run the tree is
+inside, so every publish is a same-filesystem ``rename``). The staging directory stays,
+with its two lock files and a ``README.txt`` that tells a user what it is; removing it when
+idle would race a concurrent session that has it open. At the start of a run the tree is
 populated with hard links to the mount's current files (one ``link`` per file, no data copied)
 and the inode of each is remembered. A file shared with the host this way is copied before
 anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never
@@ -118,6 +120,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STAGING_DIR",
+    "STAGING_README",
     "FileRecord",
     "FileSession",
     "FilesError",
@@ -548,10 +551,38 @@ def _open_staging(host_fd: int) -> int:
     except FileExistsError:
         pass
     try:
-        return os.open(STAGING_DIR, _DIR_FLAGS, dir_fd=host_fd)
+        staging_fd = os.open(STAGING_DIR, _DIR_FLAGS, dir_fd=host_fd)
     except OSError as exc:
         raise UsageError(f"the writable mount cannot keep its staging directory "
                          f"{STAGING_DIR!r}: {exc.strerror}") from None
+    _explain_staging(staging_fd)
+    return staging_fd
+
+
+#: What a user who finds the staging directory in their own directory reads there.
+STAGING_README = """\
+This directory belongs to wasibox (https://pypi.org/project/wasibox/).
+
+The directory above it is mounted writable into a wasibox sandbox. Each run's changes are
+staged here (run-*/) and moved into the directory above only when the run ends ok, so a
+failed run leaves nothing half-written. setup.lock and publish.lock keep concurrent runs
+from stepping on each other; they are empty files.
+
+It is safe to delete this directory while no wasibox run uses the mount. A run-* directory
+left by a process that died is finished or discarded by the next run that mounts this
+directory; deleting it instead may lose that run's half-published changes.
+"""
+
+
+def _explain_staging(staging_fd: int) -> None:
+    """Leave a README.txt in the staging directory if there is none (never follows a link)."""
+    try:
+        fd = os.open("README.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o644, dir_fd=staging_fd)
+    except OSError:
+        return  # already there, or not writable: staging works without it
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(STAGING_README)
 
 
 def _reclaim(staging_fd: int) -> None:

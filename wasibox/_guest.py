@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ._errors import GuestBuildError
-from ._progress import Reporter, stderr_reporter
+from ._progress import Reporter, library_reporter
 
 __all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "ensure_guest", "file_lock",
            "file_sha256", "guest_digest", "installed_version"]
@@ -114,7 +114,7 @@ def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
     directory = cache_dir() / "guest" / key[:24]
     path, digest_file = directory / "guest.wasm", directory / "guest.sha256"
     if not (path.is_file() and digest_file.is_file()):
-        report = progress if progress is not None else stderr_reporter()
+        report = progress if progress is not None else library_reporter()
         with file_lock(directory.with_suffix(".lock")):
             if not (path.is_file() and digest_file.is_file()):
                 report("building the guest (once per machine; `wasibox prepare` does it "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -9,7 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-__all__ = ["Reporter", "stderr_reporter", "silent", "heartbeat"]
+__all__ = ["Reporter", "heartbeat", "library_reporter", "silent", "stderr_reporter"]
+
+#: The logger every library message goes to (the server's per-run lines use ``wasibox.serve``).
+log = logging.getLogger("wasibox")
 
 #: Receives one human-readable line per step or heartbeat.
 Reporter = Callable[[str], None]
@@ -42,6 +46,24 @@ def stderr_reporter(stream: TextIO | None = None, min_interval_s: float = 2.0) -
         else:
             out.write(f"wasibox: {message}\n")
         out.flush()
+
+    return report
+
+
+def library_reporter() -> Reporter:
+    """The reporter library code uses when its caller passed none.
+
+    Messages go to the ``wasibox`` logger at INFO once the application has configured
+    logging (a handler on it or on an ancestor), and to stderr otherwise, so that building
+    the guest (tens of seconds, once) is never silent by default.
+    """
+    fallback = stderr_reporter()
+
+    def report(message: str) -> None:
+        if log.hasHandlers():
+            log.info("%s", message)
+        else:
+            fallback(message)
 
     return report
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import html
 import math
 import re
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -189,6 +190,57 @@ class RunResult:
         data["value"] = json_value(self.value)
         data["capability_log"] = [json_value(event) for event in data["capability_log"]]
         return data
+
+    @property
+    def _status(self) -> str:
+        """One line: ``ok``, the limit exceeded, the guest's exception or its exit status."""
+        if self.limit_exceeded is not None:
+            return f"exceeded its {self.limit_exceeded.value} limit"
+        if self.error is not None:
+            return _clip(f"{self.error.type}: {self.error.message}", 120)
+        return "ok" if self.ok else f"exited with status {self.exit_code}"
+
+    def __repr__(self) -> str:
+        """A short summary; every field is an attribute (``to_dict()`` gives them all)."""
+        parts = [self._status, f"fuel_used={self.fuel_used:,}",
+                 f"duration_s={self.duration_s:.4f}"]
+        for name in ("stdout", "stderr"):
+            text = getattr(self, name)
+            if text:
+                parts.append(f"{name}={_clip(text, 40)!r}")
+        if self.value is not None:
+            parts.append(f"value={_clip(repr(self.value), 60)}")
+        if self.files:
+            parts.append(f"files={len(self.files)}")
+        return f"<RunResult {' '.join(parts)}>"
+
+    def _repr_html_(self) -> str:
+        """A small table for Jupyter; guest text is escaped and clipped to 2,000 characters."""
+        rows = [("status", self._status), ("exit code", str(self.exit_code)),
+                ("fuel used", f"{self.fuel_used:,}"),
+                ("memory peak", f"{self.memory_peak_bytes / 2**20:,.1f} MiB"),
+                ("duration", f"{self.duration_s * 1000:,.1f} ms"),
+                ("backend", f"{self.backend} ({self.isolation})")]
+        for name in ("stdout", "stderr"):
+            text = getattr(self, name)
+            if text:
+                truncated = " (truncated by the output limit)" \
+                    if getattr(self, f"{name}_truncated") else ""
+                rows.append((name + truncated, _clip(text, 2000)))
+        if self.value is not None:
+            rows.append(("value", _clip(repr(self.value), 2000)))
+        if self.files:
+            rows.append(("files", "\n".join(f"{f.path} ({f.size:,} bytes)"
+                                             for f in self.files[:20])))
+        body = "".join(f"<tr><th style=\"text-align:left\">{html.escape(name)}</th>"
+                       f"<td style=\"text-align:left\"><pre style=\"margin:0\">"
+                       f"{html.escape(value)}</pre></td></tr>" for name, value in rows)
+        return f"<table>{body}</table>"
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 @dataclasses.dataclass(kw_only=True)

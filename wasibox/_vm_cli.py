@@ -75,5 +75,6 @@ def doctor_rows() -> list[tuple[str, str]]:
          else f"missing: apt-get install {' '.join(missing)}"),
         ("microvm accelerator", cached_accelerator()),
         ("microvm emulation", "allowed" if emulation_allowed(None)
-         else f"refused unless Sandbox(allow_emulation=True) or {ALLOW_EMULATION_ENV}=1"),
+         else f"refused unless allowed: wasibox run --allow-emulation, {ALLOW_EMULATION_ENV}=1 "
+              "in the environment, or Sandbox(allow_emulation=True)"),
     ]

@@ -46,7 +46,7 @@ from typing import Any
 
 from ._errors import GuestBuildError, UsageError
 from ._guest import cache_dir, file_lock, file_sha256
-from ._progress import Reporter, heartbeat, stderr_reporter
+from ._progress import Reporter, heartbeat, library_reporter
 
 __all__ = ["BASE_PACKAGES", "REQUIRED_TOOLS", "ImageConfig", "VMImage", "cached_image_state",
            "ensure_image", "guest_microvm_sources", "image_modules", "missing_tools", "write_cpio"]
@@ -379,7 +379,7 @@ def ensure_image(config: ImageConfig | None = None,
         return cached
     image = _load(kernel_dir, rootfs_dir)
     if image is None:
-        report = progress or stderr_reporter()
+        report = progress or library_reporter()
         for directory, build in ((kernel_dir, _build_kernel_dir), (rootfs_dir, _build_rootfs_dir)):
             with file_lock(directory.with_suffix(".lock")):
                 if not (directory / "ready").is_file():

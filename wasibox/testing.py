@@ -14,8 +14,8 @@
 ``guest_function`` reads the function's signature from the source with ``ast``, on the host,
 without ever executing guest code there. ``fuzz`` drives hypothesis itself: it runs every
 example twice (to catch nondeterminism), steers towards inputs that burn the most fuel
-(``hypothesis.target``), and reports each failure with its shrunk example and a one-line
-replay command.
+(``hypothesis.target``), and reports each failure with its shrunk example, saved to a file,
+and a short replay command.
 
 Needs the ``hypothesis`` package (``pip install 'wasibox[testing]'``).
 """
@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import shlex
 import statistics
+import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 import hypothesis
@@ -45,7 +48,7 @@ from ._wire import ProtocolError
 from .backends.base import Backend
 
 __all__ = ["FuzzFailure", "FuzzReport", "GuestFunction", "fuzz", "guest_function",
-           "settings_profiles", "strategy_for"]
+           "read_example", "replay", "settings_profiles", "strategy_for"]
 
 #: Characters that parsers treat specially. A third of the generated ``str`` arguments are
 #: drawn from these alone, so that short runs of them (a digit then a NUL, nested brackets)
@@ -287,7 +290,7 @@ class FuzzFailure:
     #: The shrunk positional arguments that trigger it.
     example: tuple[Any, ...]
     message: str
-    #: One shell line that reruns the example.
+    #: One short shell line that reruns the example, saved to a file (see ``fuzz``).
     replay: str
 
     def __str__(self) -> str:
@@ -363,16 +366,21 @@ def fuzz(code: str, entry: str, *, max_examples: int = 100, seed: int = 0,
          entropy: Literal["seeded", "real"] = "seeded", target_fuel: bool = True,
          check_determinism: bool = True,
          strategies: Mapping[str, st.SearchStrategy[Any]] | None = None,
-         path: str | None = None, backend: Literal["wasm"] | Backend = "wasm",
-         **sandbox_options: Any) -> FuzzReport:
+         path: str | None = None, replay_dir: str | os.PathLike[str] | None = None,
+         backend: Literal["wasm"] | Backend = "wasm", **sandbox_options: Any) -> FuzzReport:
     """Fuzz ``entry`` with arguments drawn from its annotations; report what failed.
 
     Each example runs twice, each time in a fresh sandbox: a guest exception, an exceeded
     limit, or two runs that differ (value, error, output or fuel) is a failure, shrunk by
     hypothesis. With ``target_fuel``, ``hypothesis.target`` steers towards examples that
     burn more fuel, so algorithmic-complexity problems surface in ``max_fuel``. The search
-    is seeded by ``seed``, so the same call finds the same examples. ``path`` names the
-    file the code came from, for the replay command.
+    is seeded by ``seed``, so the same call finds the same examples.
+
+    Each failure's shrunk example is saved as a Python literal in ``replay_dir`` (a new
+    temporary directory when None), with the code itself unless ``path`` names the file it
+    came from, and its ``replay`` is a short ``wasibox fuzz FILE --entry ENTRY
+    --replay-file EXAMPLE`` line (with the run's limits and clock) that reruns it. Other
+    sandbox options (mounts, host functions) are not part of that line.
 
     Raises UsageError for a bad entry or an annotation it cannot map.
     """
@@ -423,8 +431,11 @@ def fuzz(code: str, entry: str, *, max_examples: int = 100, seed: int = 0,
     finally:
         twin_runner.shutdown()
     elapsed = time.perf_counter() - started
+    if found and replay_dir is None:
+        replay_dir = tempfile.mkdtemp(prefix="wasibox-fuzz-")
     failures = [FuzzFailure(kind=f.kind, example=f.example, message=str(f),
-                            replay=_replay(code, entry, f.example, path))
+                            replay=_replay(code, entry, f, path, Path(replay_dir or "."),
+                                           limits, clock))
                 for f in found.values()]
     function.close()
     return FuzzReport(entry=entry, examples=len(fuels), elapsed_s=elapsed, failures=failures,
@@ -467,24 +478,55 @@ def _difference(first: RunResult, second: RunResult) -> str:
     return ", ".join(parts)
 
 
-def _replay(code: str, entry: str, example: tuple[Any, ...], path: str | None) -> str:
-    arguments = repr(example)
-    if path is not None:
-        return shlex.join(["wasibox", "fuzz", path, "--entry", entry, "--replay", arguments])
-    script = (f"import wasibox.testing as wt; "
-              f"print(wt.guest_function({code!r}, {entry!r}).run(*{arguments}))")
-    return shlex.join(["python", "-c", script])
+def _replay(code: str, entry: str, failure: _Finding, path: str | None,
+            replay_dir: Path, limits: Limits | None, clock: str) -> str:
+    """Save ``failure``'s example (and, without ``path``, the code) under ``replay_dir``;
+    return the short ``wasibox fuzz ... --replay-file`` line that reruns it."""
+    replay_dir.mkdir(parents=True, exist_ok=True)
+    if path is None:
+        source = replay_dir / f"{entry}.py"
+        source.write_text(code, encoding="utf-8")
+        path = str(source)
+    example = replay_dir / f"{entry}-{failure.kind}.txt"
+    # A Python literal tuple, as --replay takes it; ascii() keeps the file plain text.
+    example.write_text(ascii(failure.example) + "\n", encoding="ascii")
+    command = ["wasibox", "fuzz", path, "--entry", entry, "--replay-file", str(example)]
+    if limits is not None and limits != Limits():
+        # The defaults may not reproduce a limit failure: name every limit the run had.
+        command += ["--fuel", str(limits.fuel), "--memory", str(limits.memory_bytes),
+                    "--timeout", str(limits.timeout_s),
+                    "--output-bytes", str(limits.output_bytes)]
+    if clock == "real":
+        command.append("--real-clock")
+    return shlex.join(command)
 
 
 def replay(code: str, entry: str, arguments: str, **options: Any) -> RunResult:
-    """Run ``entry`` once with ``arguments``, a Python literal tuple (as in a replay line)."""
+    """Run ``entry`` once with ``arguments``, a Python literal tuple (as ``fuzz`` saves it).
+
+    Raises UsageError when ``arguments`` is not such a literal (see ``read_example``).
+    """
+    return GuestFunction(code, entry, **options).run(*read_example(arguments))
+
+
+def read_example(text: str) -> tuple[Any, ...]:
+    """The arguments in ``text``, a Python literal (a tuple, or one value) as ``fuzz`` saves
+    it; ``inf`` and ``nan`` are read as floats, as ``repr`` writes them.
+
+    Raises UsageError when ``text`` is not such a literal.
+    """
     try:
-        values = ast.literal_eval(arguments)
-    except (ValueError, SyntaxError) as exc:
+        values = ast.literal_eval(_FloatNames().visit(parse(text.strip(), "eval")))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
         raise UsageError(f"--replay takes a Python literal tuple of arguments: {exc}") \
             from None
-    if not isinstance(values, tuple):
-        values = (values,)
-    return GuestFunction(code, entry, **options).run(*values)
+    return values if isinstance(values, tuple) else (values,)
 
 
+class _FloatNames(ast.NodeTransformer):
+    """Reads the names ``inf`` and ``nan`` in a literal as the floats ``repr`` wrote."""
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if node.id in ("inf", "nan"):
+            return ast.copy_location(ast.Constant(float(node.id)), node)
+        return node

@@ -374,8 +374,71 @@ asyncio.selector_events.BaseSelectorEventLoop._make_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._close_self_pipe = _no_self_pipe
 asyncio.selector_events.BaseSelectorEventLoop._write_to_self = lambda loop: None
 
+# WASI refuses sockets with errors that read like a broken network ("gaierror: Non-recoverable
+# error"), and threads with "can't start new thread". Say what the sandbox lacks instead.
+import _thread  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+
+_NO_SOCKETS = ("the sandbox has no network sockets: for HTTP use urllib.request or "
+               "host.http.request, which the host carries out under its HTTP policy")
+_NO_THREADS = ("can't start new thread: the sandbox has no threads (CPython on "
+               "WebAssembly); do the work in the calling thread")
+
+
+def _no_sockets(*args, **kwargs):
+    raise host.CapabilityDenied(_NO_SOCKETS)
+
+
+def _no_threads(*args, **kwargs):
+    raise RuntimeError(_NO_THREADS)  # the type CPython raises, so callers' handlers still work
+
+
+socket.socket.__init__ = _no_sockets
+for _name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr",
+              "getnameinfo", "socketpair", "fromfd"):
+    setattr(socket, _name, _no_sockets)
+_thread.start_new_thread = _thread.start_new = _no_threads
+if hasattr(_thread, "start_joinable_thread"):
+    _thread.start_joinable_thread = _no_threads
+threading._start_joinable_thread = threading._start_new_thread = _no_threads
+
 # Files exist only under the host's mounts (see wasibox_files.py).
 wasibox_files.install()
+
+
+class _MountFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports modules and packages from the directories code puts on ``sys.path`` (empty by
+    default), which can only be mounts: files are found and read through the files
+    capability, as every other read is, so only what the host mounted can be imported."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        name = fullname.rpartition(".")[2]
+        for entry in sys.path if path is None else path:
+            if not isinstance(entry, str) or not entry.startswith("/"):
+                continue
+            base = f"{entry.rstrip('/')}/{name}"
+            for filename, package in ((f"{base}/__init__.py", True), (f"{base}.py", False)):
+                if os.path.isfile(filename):
+                    spec = importlib.machinery.ModuleSpec(fullname, self, origin=filename,
+                                                          is_package=package)
+                    spec.has_location = True
+                    if package:
+                        spec.submodule_search_locations = [base]
+                    return spec
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        filename = module.__spec__.origin
+        with open(filename, encoding="utf-8") as handle:
+            source = handle.read()
+        exec(compile(source, filename, "exec"), module.__dict__)
+
+
+sys.meta_path.append(_MountFinder())
 
 # -- run time --------------------------------------------------------------------------------
 

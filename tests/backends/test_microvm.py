@@ -272,6 +272,18 @@ def test_tcg_is_refused_without_opt_in(vm_runtime: MicroVMRuntime,
     MicroVMBackend(runtime_=vm_runtime).check_allowed()
 
 
+def test_the_cli_refusal_names_the_flag(vm_runtime: MicroVMRuntime) -> None:
+    if vm_runtime.accel == "kvm":
+        pytest.skip("this machine has KVM: the microVM needs no emulation, so none is refused")
+    env = {key: value for key, value in child_env().items()
+           if key != "WASIBOX_ALLOW_EMULATION"}
+    done = subprocess.run([PYTHON, "-m", "wasibox", "run", "--backend", "microvm", "-c",
+                           "print(1)"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "software emulation (TCG)" in done.stderr
+    assert "--allow-emulation (wasibox run) or WASIBOX_ALLOW_EMULATION=1" in done.stderr
+    assert "Sandbox(" not in done.stderr
+
+
 def test_memory_below_the_vm_minimum_is_a_usage_error(vm: wasibox.Sandbox) -> None:
     with wasibox.Sandbox(VM_LIMITS.replace(memory_bytes="64MiB"), backend="microvm",
                          allow_emulation=True) as sandbox:

@@ -119,6 +119,10 @@ def test_read_a_mount_and_publish_an_artifact(tree: dict[str, Path], fds: int) -
             "[('/data', ['in.csv']), ('/data/sub', []), ('/data/sub/deeper', ['note.txt'])]"]
         report = (tree["out"] / "report.csv").read_bytes()
         assert report == b"total\r\n6\r\n"
+        # What stays in the user's directory explains itself.
+        staging = tree["out"] / STAGING_DIR
+        assert sorted(os.listdir(staging)) == ["README.txt", "publish.lock", "setup.lock"]
+        assert "belongs to wasibox" in (staging / "README.txt").read_text()
         records = {f.path: f for f in r.files}
         assert set(records) == {"/out/report.csv", "/out/logs/run.txt", "/out/note.txt"}
         assert records["/out/report.csv"] == wasibox.FileRecord(
@@ -814,3 +818,22 @@ def test_opening_directories(tree: dict[str, Path], fds: int) -> None:
         """)
         assert value == ["EISDIR"] * 4 + [True, "EISDIR"]
         assert_healthy(sb, tree, fds)
+
+
+def test_modules_import_from_mounts_on_sys_path_and_nowhere_else(tree: dict[str, Path]) -> None:
+    (tree["data"] / "doubling.py").write_text("def double(x):\n    return 2 * x\n")
+    (tree["data"] / "pkg").mkdir()
+    (tree["data"] / "pkg" / "__init__.py").write_text("from . import inner\n")
+    (tree["data"] / "pkg" / "inner.py").write_text("VALUE = 'inner'\n")
+    (tree["outside"] / "escaped.py").write_text("print('imported from outside')\n")
+    (tree["root"] / "escaped.py").write_text("print('imported from outside')\n")
+    with sandbox(tree) as sb:
+        r = sb.run("import sys\nsys.path.insert(0, '/data')\nimport doubling, pkg\n"
+                   "print(doubling.double(21), pkg.inner.VALUE, doubling.__file__)")
+        assert r.ok and r.stdout == "42 inner /data/doubling.py\n", r.error
+        for entry in ("/data/..", "/data/../outside", "/outside", "/"):
+            r = sb.run(f"import sys\nsys.path.insert(0, {entry!r})\nimport escaped")
+            assert r.error is not None and r.error.type == "ModuleNotFoundError", (entry, r)
+        # Without the mount on sys.path, nothing is imported from it.
+        r = sb.run("import doubling")
+        assert r.error is not None and r.error.type == "ModuleNotFoundError"

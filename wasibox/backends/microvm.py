@@ -76,13 +76,13 @@ from typing import Any, Literal
 import msgpack
 
 from .._control import RunControl, RunState
-from .._errors import UsageError, WasiboxError
+from .._errors import EmulationRefused, UsageError, WasiboxError
 from .._events import CapabilityEvent
 from .._guest import cache_dir, file_lock
 from .._hostcall import HostCalls, StopRun
 from .._http import HttpGate
 from .._limits import Limit, Limits
-from .._progress import Reporter, heartbeat, stderr_reporter
+from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._vm_files import CopyIn, CopyOut, QuotaExceeded
 from .._vm_image import ImageConfig, VMImage, ensure_image, image_modules
@@ -636,7 +636,7 @@ class MicroVMRuntime:
 
     def __init__(self, config: ImageConfig | None = None, *, engine: Engine | None = None,
                  progress: Reporter | None = None) -> None:
-        self.progress = progress or stderr_reporter()
+        self.progress = progress or library_reporter()
         _reap_stale_run_directories()
         self.engine = engine or QemuMicrovm()
         self.image = ensure_image(config, self.progress)
@@ -761,12 +761,20 @@ def cached_accelerator() -> str:
     forced = os.environ.get("WASIBOX_MICROVM_ACCEL", "").strip().lower()
     if forced in ("kvm", "tcg"):
         return f"{forced} (forced by WASIBOX_MICROVM_ACCEL)"
+    if not os.path.exists("/dev/kvm"):
+        return "tcg: /dev/kvm does not exist (no hardware virtualization reaches this machine)"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return "tcg (no usable /dev/kvm)"
+        return "tcg: this user cannot open /dev/kvm read-write (add it to the kvm group)"
     with contextlib.suppress(OSError, ValueError, KeyError):
         saved = json.loads((cache_dir() / "microvm" / "accelerator.json").read_text())
         if saved["key"].startswith(_boot_id()):
-            return f"{saved['accel']} (probed on this boot)"
+            if saved["accel"] == "kvm":
+                return "kvm (probed on this boot: the guest kernel boots under KVM)"
+            # /dev/kvm opens, yet the probe VM never reached user space: typically a VM
+            # whose hypervisor offers nested KVM without what the guest kernel needs.
+            return (f"tcg (probed on this boot): /dev/kvm opens, but the guest kernel did "
+                    f"not boot under KVM within {PROBE_TIMEOUT_S:g}s, as in a VM whose "
+                    "nested KVM is not usable")
     return "not probed yet (`wasibox microvm build` probes it)"
 
 
@@ -808,7 +816,7 @@ class MicroVMBackend(Backend):
     """Runs each job in a fresh microVM restored from the clean template.
 
     ``allow_emulation`` (default: ``WASIBOX_ALLOW_EMULATION``) permits running under TCG,
-    which is not a security boundary; without it ``execute`` raises UsageError on machines
+    which is not a security boundary; without it ``execute`` raises EmulationRefused on machines
     without working KVM.
     """
 
@@ -831,14 +839,9 @@ class MicroVMBackend(Backend):
         return self.runtime.accel
 
     def check_allowed(self) -> None:
-        """Raise UsageError if this machine only has TCG and emulation was not allowed."""
+        """Raise EmulationRefused if this machine only has TCG and emulation was not allowed."""
         if self.isolation == "tcg" and not self.allow_emulation:
-            raise UsageError(
-                "the microVM backend would run under QEMU's software emulation (TCG): this "
-                "machine has no KVM that can run the guest kernel. QEMU does not treat TCG as "
-                "a security boundary, so wasibox refuses it unless you opt in with "
-                f"Sandbox(allow_emulation=True) or {ALLOW_EMULATION_ENV}=1 (and accept that "
-                "guest code is ~15-30x slower and less strongly isolated)")
+            raise EmulationRefused()
 
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         self.check_allowed()

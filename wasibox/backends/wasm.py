@@ -54,7 +54,7 @@ from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installe
 from .._hostcall import HostCalls, StopRun
 from .._http import HttpGate
 from .._limits import Limit, Limits
-from .._progress import Reporter, heartbeat, stderr_reporter
+from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request, max_elements
 from ._stack import call_with_stack
@@ -495,7 +495,7 @@ class WasmRuntime:
         self.artifact = artifact or ensure_guest(progress)
         self.engine = wasmtime.Engine(_engine_config())
         self.component, self.min_memory_bytes = _load_compiled(
-            self.engine, self.artifact, progress or stderr_reporter())
+            self.engine, self.artifact, progress or library_reporter())
         self.linker = cm.Linker(self.engine)
         self.linker.add_wasip2()
         _define_host(self.linker)

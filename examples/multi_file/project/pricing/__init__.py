@@ -1,0 +1,1 @@
+"""Pricing rules of the project (a package, imported from the mount like the rest)."""
