@@ -24,6 +24,7 @@ import operator
 import os
 import sys
 import traceback
+import types
 
 import msgpack
 import wasibox_files
@@ -233,15 +234,21 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return _ResourceReader(fullname)
 
 
-# From here on, nothing is read from the file system: the stdlib mount disappears after the
-# snapshot, and run-time imports must not probe paths that no longer exist.
+# From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
+# file system holds only the run's mounts (wasibox_files.py), and sys.path starts empty, so
+# the path importer finds only what a run puts on sys.path (the job's ``path``, or the
+# program's own sys.path.insert), and reads it through the same mounts as open(). The packed
+# stdlib comes first, so a user module cannot shadow a stdlib one.
 sys.meta_path[:] = [
     importlib.machinery.BuiltinImporter,
     importlib.machinery.FrozenImporter,
     _PackedFinder(),
+    importlib.machinery.PathFinder,
 ]
 sys.path[:] = []
-sys.path_hooks[:] = []
+sys.path_hooks[:] = [importlib.machinery.FileFinder.path_hook(
+    (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
+    (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))]
 sys.path_importer_cache.clear()
 sys.dont_write_bytecode = True
 
@@ -359,15 +366,43 @@ def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
     # Bound as defaults: clearing the namespace removes every builtin name until update runs.
     namespace.clear()
     namespace.update(pristine)
-_RUNNER_FILE = __file__
+
+
+# The files of wasibox's own guest code, whose frames tracebacks leave out: what this build
+# imported from the runner's own directory (this runner, wasibox_files, the host package).
+_OWN_FILES = frozenset(
+    module.__file__ for module in list(sys.modules.values())
+    if isinstance(getattr(module, "__file__", None), str)
+    and module.__file__.startswith(os.path.dirname(__file__) + "/")
+    and module.__name__.partition(".")[0] not in ("msgpack", "tzdata"))
+
+
+def _without_own_frames(exc, seen):
+    """Drop wasibox's own frames (this runner, wasibox_files, the ``host`` package) from
+    ``exc``'s traceback and from those of the exceptions chained to it."""
+    if exc is None or id(exc) in seen:
+        return
+    seen.add(id(exc))
+    kept = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename not in _OWN_FILES:
+            kept.append(tb)
+        tb = tb.tb_next
+    tb = None
+    for entry in reversed(kept):
+        tb = types.TracebackType(tb, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    exc.with_traceback(tb)
+    _without_own_frames(exc.__cause__, seen)
+    _without_own_frames(exc.__context__, seen)
 
 
 def _describe(exc):
-    """The guest-visible description of an exception, without this runner's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == _RUNNER_FILE:
-        tb = tb.tb_next
-    exc = exc.with_traceback(tb)
+    """The guest-visible description of an exception, without wasibox's own frames."""
+    try:
+        _without_own_frames(exc, set())
+    except BaseException:  # a hostile exception (a __traceback__ property that raises)
+        pass
     try:
         text = "".join(traceback.format_exception(exc))
     except BaseException:  # a hostile __str__ or __repr__ must not take the runner down
@@ -425,20 +460,25 @@ def _execute(request, streams):
     seed = job.get("seed")
     if seed != _SNAPSHOT_SEED:
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
+    if "argv" in job:
+        _program_context(job)
     if job.get("op") == "batch":
         return _execute_batch(job, records.encode("latin-1"), streams)
     code = job["code"]
-    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    filename = job.get("filename", _SOURCE_NAME)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    if filename != _SOURCE_NAME:
+        namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
     memory_error = False
     try:
         if job.get("op") == "compile":
-            value = _compile_only(code)
+            value = _compile_only(code, filename)
         else:
-            exec(_program(code, job.get("compiled")), namespace)
+            exec(_program(code, job.get("compiled"), filename), namespace)
         if job.get("op") == "call":
             entry = job.get("entry")
             function = namespace.get(entry)
@@ -478,7 +518,22 @@ def _execute(request, streams):
         return _encode(exit_code, error, None, memory_error, _heap_top())
 
 
-def _program(code, compiled):
+def _program_context(job):
+    """Give the program what ``python script.py args`` would: ``sys.argv``, ``sys.path``
+    (the job's ``path`` first), ``os.environ`` and ``sys.stdin``, all from the job alone.
+
+    The host sends these fields only when a caller set one of them (see wasibox/_wire.py).
+    """
+    sys.argv[:] = job["argv"]
+    sys.path[:0] = job["path"]
+    if job["env"]:
+        os.environ.update(job["env"])
+    stdin = job["stdin"]
+    if stdin is not None:
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+
+
+def _program(code, compiled, filename=_SOURCE_NAME):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
@@ -486,7 +541,7 @@ def _program(code, compiled):
     first, to start the program from the same state either way.
     """
     if compiled is None:
-        program = compile(code, _SOURCE_NAME, "exec", dont_inherit=True)
+        program = compile(code, filename, "exec", dont_inherit=True)
     else:
         program = marshal.loads(compiled)
     gc.collect()
@@ -494,14 +549,14 @@ def _program(code, compiled):
     return program
 
 
-def _compile_only(code):
+def _compile_only(code, filename=_SOURCE_NAME):
     """The ``compile`` job: the marshalled code object, without running any of it.
 
     Version 2 has no back-references, so the bytes depend only on the source, not on the
     reference counts this interpreter's history left behind; 3.14's constant slices need
     version 5.
     """
-    program = compile(code, _SOURCE_NAME, "exec", dont_inherit=True)
+    program = compile(code, filename, "exec", dont_inherit=True)
     try:
         return marshal.dumps(program, 2)
     except ValueError:
@@ -544,14 +599,15 @@ _HELD = []
 def _execute_batch(job, records, streams):
     """Call the entry function once per record of a batch, in this one instance."""
     code = job["code"]
-    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    filename = job.get("filename", _SOURCE_NAME)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     values = []
     errors = []
     error = None
     memory_error = False
     try:
-        exec(_program(code, job.get("compiled")), namespace)
+        exec(_program(code, job.get("compiled"), filename), namespace)
         function = namespace.get(job["entry"])
         if not callable(function):
             raise NameError(f"the code defines no callable named {job['entry']!r}")
