@@ -530,7 +530,9 @@ def _program_context(job):
         os.environ.update(job["env"])
     stdin = job["stdin"]
     if stdin is not None:
-        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+        # As CPython's own stdin on POSIX: no newline translation, undecodable bytes kept.
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8",
+                                     errors="surrogateescape", newline="\n")
 
 
 def _program(code, compiled, filename=_SOURCE_NAME):
