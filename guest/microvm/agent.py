@@ -206,8 +206,11 @@ def execute(job):
         numpy_module.random.seed(None if seed is None else seed & 0xFFFFFFFF)
     if "argv" in job:
         # As the wasm runner does: sys.argv, sys.path, os.environ and stdin from the job.
+        # The job's environment replaces the child's defaults, so that a program sees the
+        # same os.environ on both backends.
         sys.argv[:] = job["argv"]
         sys.path[:0] = job["path"]
+        os.environ.clear()
         os.environ.update(job["env"])
         if job["stdin"] is not None:
             sys.stdin = io.TextIOWrapper(io.BytesIO(job["stdin"]), encoding="utf-8",
