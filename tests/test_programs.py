@@ -296,3 +296,32 @@ def test_a_script_outside_every_mount_is_named_by_its_file_name(tmp_path: Path) 
     assert 'File "alone.py", line 3, in <module>' in done.stderr
     assert str(tmp_path) not in done.stdout + done.stderr
 
+
+
+def test_a_transform_imports_the_users_modules_from_python_path(project: Path) -> None:
+    code = "from shop.checkout import total\n\ndef t(record):\n    return total(record)\n"
+    transform = wasibox.Transform(code, entry="t", mounts=[Mount(project, "/src")],
+                                  python_path=["/src"])
+    assert transform.map([[1, 2], [3]], progress=False) == [6, 6]
+
+
+def test_wasibox_transform_and_fuzz_put_the_scripts_mount_first(project: Path,
+                                                               tmp_path: Path) -> None:
+    (project / "clean.py").write_text(
+        "from shop.checkout import total\n\n\ndef transform(record):\n"
+        "    return {'total': total(record['items'])}\n\n\n"
+        "def check(n: int) -> int:\n    return total([n])\n")
+    (tmp_path / "in.jsonl").write_text('{"items": [1, 2]}\n{"items": [5]}\n')
+    done = subprocess.run(
+        [PYTHON, "-m", "wasibox", "transform", "--mount", f"{project}:/src",
+         str(project / "clean.py"), str(tmp_path / "in.jsonl"), "-"],
+        capture_output=True, text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line) for line in done.stdout.splitlines()] == [{"total": 6},
+                                                                       {"total": 10}]
+    replayed = subprocess.run(
+        [PYTHON, "-m", "wasibox", "fuzz", "--mount", f"{project}:/src",
+         str(project / "clean.py"), "--entry", "check", "--replay", "(4,)"],
+        capture_output=True, text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=300)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert json.loads(replayed.stdout)["value"] == 8
