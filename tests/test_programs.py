@@ -188,7 +188,14 @@ def test_the_microvm_gives_the_same_output_as_wasm(project: Path) -> None:
     failed_wasm = run_project(project, "wasm", "--all", "--fail")
     failed_vm = run_project(project, "microvm", "--all", "--fail")
     assert failed_vm.error is not None and failed_wasm.error is not None
-    assert failed_vm.error.traceback == failed_wasm.error.traceback
+    # The image's Python may be another version than the guest's, which marks the failing
+    # expression with other carets: compare the frames and lines themselves.
+    assert without_carets(failed_vm.error.traceback) == \
+        without_carets(failed_wasm.error.traceback)
+
+
+def without_carets(traceback: str) -> list[str]:
+    return [line for line in traceback.splitlines() if line.strip(" ~^")]
 
 
 # -- stdin, argv and environment --------------------------------------------------------------
