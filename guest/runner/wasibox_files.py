@@ -419,12 +419,7 @@ class FileIO(io.RawIOBase):
         if isinstance(file, int):
             fd, name = file, file if _name is None else _name
         else:
-            if not isinstance(file, (str, bytes, os.PathLike)):
-                raise TypeError(f"expected str, bytes or os.PathLike object, not "
-                                f"{type(file).__name__}")
-            if not closefd:
-                raise ValueError("Cannot use closefd=False with file name")
-            fd, name = _open_path(file, kind, updating, opener), file
+            fd, name = _open_path(file, kind, updating, closefd, opener), file
             if not isinstance(fd, int) or fd not in _fds:  # an opener's other descriptor
                 raise OSError(errno.EBADF, os.strerror(errno.EBADF), file)
         self._fd = fd
@@ -510,9 +505,13 @@ class FileIO(io.RawIOBase):
         return f"<wasibox FileIO name={self.name!r} mode={self.mode!r}>"
 
 
-def _open_path(file, kind, updating, opener):
+def _open_path(file, kind, updating, closefd, opener):
     """A descriptor for ``file`` opened in ``kind`` ("r", "w", "x" or "a") mode, as open()
     and io.FileIO open it; an ``opener``'s descriptor is returned unchecked."""
+    if not isinstance(file, (str, bytes, os.PathLike)):
+        raise TypeError(f"expected str, bytes or os.PathLike object, not {type(file).__name__}")
+    if not closefd:
+        raise ValueError("Cannot use closefd=False with file name")
     flags = os.O_RDWR if updating else os.O_RDONLY if kind == "r" else os.O_WRONLY
     flags |= {"r": 0, "w": os.O_CREAT | os.O_TRUNC, "x": os.O_CREAT | os.O_EXCL,
               "a": os.O_CREAT | os.O_APPEND}[kind]
@@ -560,13 +559,8 @@ def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None
     if isinstance(file, int):
         fd, name = file, file
     else:
-        if not isinstance(file, (str, bytes, os.PathLike)):
-            raise TypeError(f"expected str, bytes or os.PathLike object, not "
-                            f"{type(file).__name__}")
-        if not closefd:
-            raise ValueError("Cannot use closefd=False with file name")
         name = file
-        fd = _open_path(file, raw_mode[0], updating, opener)
+        fd = _open_path(file, raw_mode[0], updating, closefd, opener)
         if not isinstance(fd, int) or fd not in _fds:
             return _real_open(fd, mode, buffering, encoding, errors, newline, closefd)
     raw = FileIO(fd, raw_mode, closefd, _name=name)
