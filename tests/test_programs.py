@@ -291,6 +291,10 @@ def test_wasibox_run_passes_only_the_environment_it_is_told_to(tmp_path: Path) -
         [PYTHON, "-m", "wasibox", "run", "--env", "WASIBOX_NOT_SET_ANYWHERE", "-c", "pass"],
         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
     assert missing.returncode == 2 and "--env WASIBOX_NOT_SET_ANYWHERE=VALUE" in missing.stderr
+    extra = subprocess.run([PYTHON, "-m", "wasibox", "run", "-c", "pass", "stray"],
+                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
+                           timeout=300)
+    assert extra.returncode == 2 and "not allowed with argument -c" in extra.stderr
 
 
 def test_a_script_outside_every_mount_is_named_by_its_file_name(tmp_path: Path) -> None:

@@ -203,9 +203,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from ._sandbox import Sandbox
 
-    if args.code is not None and args.script_args:
-        raise UsageError("-c takes no further arguments; put the code's arguments in it, "
-                         "or run a script file")
     if args.code is not None:
         code = args.code
     elif args.file == "-":
