@@ -336,3 +336,23 @@ def test_wasibox_transform_and_fuzz_put_the_scripts_mount_first(project: Path,
         capture_output=True, text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=300)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert json.loads(replayed.stdout)["value"] == 8
+
+
+def test_a_fuzz_failures_replay_line_carries_the_mounts(project: Path) -> None:
+    import shlex
+
+    from wasibox.testing import fuzz
+
+    script = project / "check.py"
+    script.write_text("from helpers import double\n\n\ndef check(n: int) -> int:\n"
+                      "    assert double(n) < 10\n    return n\n")
+    report = fuzz(script.read_text(), "check", max_examples=30, path=str(script),
+                  mounts=[Mount(project, "/src"), Mount.scratch("/tmp")],
+                  python_path=["/src"])
+    assert not report.ok
+    line = shlex.split(report.failures[0].replay)
+    assert line[line.index("--mount") + 1] == f"{project}:/src" and line.count("--mount") == 1
+    replayed = subprocess.run([PYTHON, "-m", "wasibox", *line[1:]], capture_output=True,
+                              text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=300)
+    assert replayed.returncode == 1
+    assert json.loads(replayed.stdout)["error"]["type"] == "AssertionError"

@@ -424,7 +424,8 @@ def fuzz(code: str, entry: str, *, max_examples: int = 100, seed: int = 0,
         twin_runner.shutdown()
     elapsed = time.perf_counter() - started
     failures = [FuzzFailure(kind=f.kind, example=f.example, message=str(f),
-                            replay=_replay(code, entry, f.example, path))
+                            replay=_replay(code, entry, f.example, path,
+                                           sandbox_options.get("mounts", ())))
                 for f in found.values()]
     function.close()
     return FuzzReport(entry=entry, examples=len(fuels), elapsed_s=elapsed, failures=failures,
@@ -467,10 +468,16 @@ def _difference(first: RunResult, second: RunResult) -> str:
     return ", ".join(parts)
 
 
-def _replay(code: str, entry: str, example: tuple[Any, ...], path: str | None) -> str:
+def _replay(code: str, entry: str, example: tuple[Any, ...], path: str | None,
+            mounts: Any = ()) -> str:
     arguments = repr(example)
     if path is not None:
-        return shlex.join(["wasibox", "fuzz", path, "--entry", entry, "--replay", arguments])
+        # The mounts the code imports its own modules from (a scratch mount has no host side).
+        granted = [f"{mount.host_path}:{mount.guest_path}{':rw' if mount.writable else ''}"
+                   for mount in mounts if mount.host_path is not None]
+        return shlex.join(["wasibox", "fuzz", path, "--entry", entry,
+                           *(part for text in granted for part in ("--mount", text)),
+                           "--replay", arguments])
     script = (f"import wasibox.testing as wt; "
               f"print(wt.guest_function({code!r}, {entry!r}).run(*{arguments}))")
     return shlex.join(["python", "-c", script])
