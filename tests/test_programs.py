@@ -356,3 +356,11 @@ def test_a_fuzz_failures_replay_line_carries_the_mounts(project: Path) -> None:
                               text=True, env=child_env(), stdin=subprocess.DEVNULL, timeout=300)
     assert replayed.returncode == 1
     assert json.loads(replayed.stdout)["error"]["type"] == "AssertionError"
+
+
+def test_wasibox_run_refuses_a_stdin_over_the_limit_without_reading_all_of_it() -> None:
+    done = subprocess.run(
+        [PYTHON, "-m", "wasibox", "run", "-c", "pass"], input=b"x" * (16 * 2**20 + 1),
+        capture_output=True, env=child_env(), timeout=300)
+    assert done.returncode == 2
+    assert b"stdin is 16777217 bytes, over 16 times the source_bytes limit" in done.stderr

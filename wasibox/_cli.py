@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ._sandbox import Sandbox
+    from ._sandbox import STDIN_LIMIT_FACTOR, Sandbox
 
     if args.code is not None:
         code = args.code
@@ -229,8 +229,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             filename = os.path.basename(args.file)
     stdin = None
-    if not args.no_stdin and args.file != "-" and not sys.stdin.isatty():
-        stdin = sys.stdin.buffer.read()
+    if not args.no_stdin and args.file != "-" and sys.stdin is not None \
+            and not sys.stdin.isatty():
+        # One byte past what a run accepts is enough for the Sandbox to refuse it clearly.
+        stdin = sys.stdin.buffer.read(STDIN_LIMIT_FACTOR * limits.source_bytes + 1)
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
                  entropy="real" if args.real_entropy else "seeded", mounts=mounts,
                  backend=args.backend, allow_emulation=args.allow_emulation,

@@ -18,7 +18,7 @@ from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
-__all__ = ["Sandbox", "run"]
+__all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 
 #: The guest's reply carries the return value and the error description; this caps it.
 REPLY_LIMIT_BYTES = 64 * 2**20
