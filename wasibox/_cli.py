@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ._errors import EmulationRefused, UsageError, WasiboxError
-from ._files import Mount
+from ._files import Mount, guest_path_for
 from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
 from ._terminal import inert
 from ._version import __version__
@@ -46,6 +46,9 @@ examples:
   wasibox run -c 'print(sum(range(10)))'
   wasibox run --timeout 1 --json -c 'while True: pass'
   wasibox run --mount ./data:/data --mount ./out:/out:rw --scratch /tmp report.py
+  wasibox run --mount ./proj:/src proj/main.py --verbose < input.csv
+      (main.py imports its own modules: the script's directory comes first on sys.path;
+      arguments after the script are its sys.argv[1:], and it reads this stdin)
 """
 
 
@@ -78,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument("file", nargs="?", help="the Python file to run ('-' for stdin)")
     source.add_argument("-c", dest="code", metavar="CODE", help="the code to run")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARG",
+                     help="arguments for the script: its sys.argv[1:]")
     _limits_arguments(run)
     run.add_argument("--seed", type=int, default=0,
                      help="seed for the guest's random module and entropy (default: 0)")
@@ -102,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     files.add_argument("--scratch", metavar="GUEST",
                        help="a private, empty, writable directory at GUEST (e.g. /tmp), "
                             "thrown away after the run")
+    program = run.add_argument_group("the program's input (none of the host's unless given)")
+    program.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                         help="set NAME in the guest's os.environ, to VALUE or to this "
+                              "process's own value of NAME; repeatable")
+    program.add_argument("--no-stdin", action="store_true",
+                         help="give the guest an empty stdin; by default it reads this "
+                              "command's stdin to its end, unless that is a terminal")
     run.set_defaults(handler=_cmd_run)
 
     prepare = commands.add_parser(
@@ -210,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ._sandbox import Sandbox
+    from ._sandbox import STDIN_LIMIT_FACTOR, Sandbox
 
     if args.code is not None:
         code = args.code
@@ -228,10 +240,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     mounts = [_mount(text) for text in args.mount]
     if args.scratch:
         mounts.append(Mount.scratch(args.scratch))
+    filename, python_path = None, []
+    if args.code is None and args.file != "-":
+        # As `python script.py` does: the script's own directory first on sys.path, when
+        # the guest can see it, and the script named in tracebacks as the guest sees it.
+        filename = guest_path_for(args.file, mounts)
+        if filename is not None:
+            python_path.append(filename.rpartition("/")[0] or "/")
+        else:
+            filename = os.path.basename(args.file)
+    stdin = None
+    if not args.no_stdin and args.file != "-" and sys.stdin is not None \
+            and not sys.stdin.isatty():
+        # One byte past what a run accepts is enough for the Sandbox to refuse it clearly.
+        stdin = sys.stdin.buffer.read(STDIN_LIMIT_FACTOR * limits.source_bytes + 1)
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
                  entropy="real" if args.real_entropy else "seeded", mounts=mounts,
-                 backend=args.backend, allow_emulation=args.allow_emulation) as sandbox:
-        result = sandbox.run(code)
+                 backend=args.backend, allow_emulation=args.allow_emulation,
+                 python_path=python_path) as sandbox:
+        argv0 = filename or ("-c" if args.code is not None else "-")
+        result = sandbox.run(code, stdin=stdin, filename=filename, env=_env(args.env),
+                             argv=[argv0, *args.script_args])
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -253,6 +282,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _relay(stream: TextIO, guest_text: str) -> None:
     """Write guest text; to a terminal only with its control sequences made inert."""
     stream.write(inert(guest_text) if stream.isatty() else guest_text)
+def _env(items: Sequence[str]) -> dict[str, str]:
+    """``--env NAME=VALUE`` (or ``NAME``: this process's own value) as the guest's
+    environment; UsageError for a NAME this process does not have."""
+    env = {}
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not equals:
+            if name not in os.environ:
+                raise UsageError(f"--env {name}: this process has no {name} to pass; "
+                                 f"give a value with --env {name}=VALUE")
+            value = os.environ[name]
+        env[name] = value
+    return env
+
+
 def _mount(text: str) -> Mount:
     """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
     host, _, rest = text.partition(":")

@@ -164,6 +164,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
                                 "(default: %(default)s)")
     transform.add_argument("--no-progress", action="store_true",
                            help="no progress bar, even on a terminal")
+    _mount_argument(transform, "CODE_FILE")
     limits_arguments(transform)
     transform.set_defaults(handler=_cmd_transform)
 
@@ -193,8 +194,30 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     fuzz.add_argument("--replay-dir", metavar="DIR",
                       help="where to save each failure's example for its replay line "
                            "(default: a new temporary directory)")
+    _mount_argument(fuzz, "FILE")
     limits_arguments(fuzz)
     fuzz.set_defaults(handler=_cmd_fuzz)
+
+
+def _mount_argument(parser: argparse.ArgumentParser, script: str) -> None:
+    parser.add_argument("--mount", action="append", default=[], metavar="HOST:GUEST[:rw]",
+                        help=f"show host directory HOST to the guest at GUEST, as for wasibox "
+                             f"run; when a mount holds {script}, its directory comes first on "
+                             f"the guest's sys.path, so its own modules import; repeatable")
+
+
+def _script_options(path: str, mount_texts: list[str]) -> dict[str, Any]:
+    """The Sandbox options of ``--mount``: the mounts, and the script's guest directory
+    first on ``sys.path`` (as ``python script.py`` puts it) if a mount shows the script."""
+    if not mount_texts:
+        return {}
+    from ._cli import _mount
+    from ._files import guest_path_for
+
+    mounts = [_mount(text) for text in mount_texts]
+    guest = guest_path_for(path, mounts)
+    return {"mounts": mounts,
+            "python_path": [guest.rpartition("/")[0] or "/"] if guest is not None else []}
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -301,7 +324,8 @@ def _cmd_transform(args: argparse.Namespace) -> int:
     code = _read_code(args.code_file)
     in_format, out_format = format_of(args.input), format_of(args.output)
     transform = Transform(code, args.entry, limits=_limits(args), seed=args.seed,
-                          on_error=args.on_error, batch_size=args.batch_size)
+                          on_error=args.on_error, batch_size=args.batch_size,
+                          **_script_options(args.code_file, args.mount))
     try:
         _check_entry(transform, code, args.entry, args.code_file)
     except BaseException:
@@ -347,12 +371,14 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     clock: Literal["virtual", "real"] = "real" if args.real_clock else "virtual"
     if args.replay_file is not None:
         args.replay = _read_code(args.replay_file)
+    options = _script_options(args.file, args.mount)
     if args.replay is not None:
-        result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock)
+        result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock,
+                        **options)
         print(json.dumps(result.to_dict(), indent=2))
         return 0 if result.ok else 1
     report = fuzz(code, args.entry, max_examples=args.max_examples, seed=args.seed,
                   limits=_limits(args), clock=clock, target_fuel=not args.no_target,
-                  path=args.file, replay_dir=args.replay_dir)
+                  path=args.file, replay_dir=args.replay_dir, **options)
     print(report)
     return 0 if report.ok else 1

@@ -129,6 +129,7 @@ __all__ = [
     "RefusedFile",
     "StatInfo",
     "check_mounts",
+    "guest_path_for",
     "run_with_files",
 ]
 
@@ -296,6 +297,24 @@ def check_mounts(mounts: Sequence[Mount]) -> tuple[Mount, ...]:
                 raise UsageError(f"the host directories of {a.guest_path!r} and "
                                  f"{b.guest_path!r} overlap, and one of them is writable")
     return table
+
+
+def guest_path_for(host_file: str | os.PathLike[str], mounts: Sequence[Mount]) -> str | None:
+    """The path at which the guest sees ``host_file`` through ``mounts``, or None if no
+    mount shows it (a scratch mount shows no host file)."""
+    try:
+        target = Path(os.fspath(host_file)).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    for mount in mounts:
+        if mount.host_path is None:
+            continue
+        try:
+            inside = target.relative_to(mount.host_path)
+        except ValueError:
+            continue
+        return "/".join((mount.guest_path, *inside.parts))
+    return None
 
 
 def _nested(a: Sequence[str], b: Sequence[str]) -> bool:

@@ -18,7 +18,7 @@ from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 
-__all__ = ["Sandbox", "run"]
+__all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 
 #: The guest's reply carries the return value and the error description; this caps it.
 REPLY_LIMIT_BYTES = 64 * 2**20
@@ -45,6 +45,8 @@ class Sandbox:
     default, and every decision they make is in ``RunResult.capability_log``.
     ``max_concurrency`` bounds the runs in flight at once (and sizes the warm pool);
     ``max_queue`` more may wait, and past that a run fails fast with Busy.
+    ``python_path`` lists guest directories (inside the mounts) put first on ``sys.path``,
+    so the program imports its own modules and packages from them as Python would.
 
     ``backend="auto"`` (the default) runs on wasm unless the code needs a module the wasm
     guest lacks and the microVM image has: decided before the run from a static scan of its
@@ -55,7 +57,8 @@ class Sandbox:
 
     Raises UsageError for an unknown backend, clock or entropy setting, a bad mount, a host
     function name that is not an identifier or a value that is not callable, an ``http``
-    that is not an ``HttpPolicy``, or a bad max_concurrency or max_queue.
+    that is not an ``HttpPolicy``, a bad max_concurrency or max_queue, or a
+    ``python_path`` entry that is not an absolute guest path.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Sandbox:
         requires: Sequence[str] = (),
         max_concurrency: int | None = None,
         max_queue: int = 0,
+        python_path: Sequence[str] = (),
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -99,6 +103,7 @@ class Sandbox:
                 for name in requires):
             raise UsageError(f"requires must be a list of module names, not {requires!r}")
         self.requires = tuple(requires)
+        self.python_path = _guest_paths(python_path)
         self._allow_emulation = allow_emulation
         self._auto = backend == "auto"
         self._backend = _make_backend("wasm" if self._auto else backend, allow_emulation,
@@ -111,7 +116,9 @@ class Sandbox:
 
     def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
             kwargs: Mapping[str, Any] | None = None,
-            limits: Mapping[str, Any] | None = None) -> RunResult:
+            limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
+            argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+            filename: str | None = None) -> RunResult:
         """Run ``code`` in a fresh interpreter and report what happened.
 
         With ``entry``, the function of that name is then called with ``args`` and
@@ -124,35 +131,50 @@ class Sandbox:
         sandbox's own is a UsageError, as an unknown name is. A fuel derived from the
         timeout is derived again from the lowered timeout.
 
+        The program reads ``stdin`` (str as UTF-8, or bytes; default empty) from
+        ``sys.stdin``, sees ``argv`` as the whole of ``sys.argv`` (``argv[0]`` included) and
+        ``env`` as ``os.environ``; the host's own environment never reaches it. ``filename``
+        is the name tracebacks and ``__file__`` give the code (default ``<sandbox>``): the
+        code's guest path when it came from a mounted file.
+
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
-        ``limits.source_bytes``, if the arguments cannot cross the boundary, or for
-        ``limits`` that would not narrow the sandbox's, Busy if
+        ``limits.source_bytes``, if the arguments cannot cross the boundary, for ``limits``
+        that would not narrow the sandbox's, if ``stdin`` is larger than
+        ``limits.source_bytes`` times 16 (``STDIN_LIMIT_FACTOR``), or if ``argv``, ``env`` or
+        ``filename`` are not str (without NUL; env names without ``=``), Busy if
         ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
         after ``close()``.
         """
-        return self._runner.run(self._job(code, entry, args, kwargs, limits))
+        return self._runner.run(self._job(code, entry, args, kwargs, limits,
+                                          _Context(stdin, argv, env, filename)))
 
     async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
                    kwargs: Mapping[str, Any] | None = None,
-                   limits: Mapping[str, Any] | None = None) -> RunResult:
+                   limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
+                   argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                   filename: str | None = None) -> RunResult:
         """``run`` for async code: the run executes on a worker thread; the loop never blocks.
 
         Cancelling the awaiting task stops the guest promptly, frees its instance, and then
         raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
         """
-        return await self.start(code, entry=entry, args=args, kwargs=kwargs, limits=limits)
+        return await self.start(code, entry=entry, args=args, kwargs=kwargs, limits=limits,
+                                stdin=stdin, argv=argv, env=env, filename=filename)
 
     def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
               kwargs: Mapping[str, Any] | None = None,
-              limits: Mapping[str, Any] | None = None) -> RunHandle:
+              limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
+              argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+              filename: str | None = None) -> RunHandle:
         """Start a run on a worker thread and return its handle at once.
 
         ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
         stops it (its result then says ``limit_exceeded == "cancelled"``). Raises Busy if
         the queue is full, and UsageError/SandboxClosed as ``run`` does.
         """
-        return self._runner.start(self._job(code, entry, args, kwargs, limits))
+        return self._runner.start(self._job(code, entry, args, kwargs, limits,
+                                            _Context(stdin, argv, env, filename)))
 
     def call(self, code: str, entry: str, /, *args: Any,
              limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -220,7 +242,7 @@ class Sandbox:
         """
         code = self._check_source(code)
         job = Job(op="batch", code=code, limits=self.limits, policy=self.policy, entry=entry,
-                  records=records, star=star)
+                  records=records, star=star, python_path=self.python_path)
         if not job.policy.mounts:
             return self._backend.execute(job)
         # Writes are published for a batch that ran to its end; a batch that is split and
@@ -232,19 +254,23 @@ class Sandbox:
         return outcome
 
     def _job(self, code: str, entry: str | None, args: Sequence[Any],
-             kwargs: Mapping[str, Any] | None, narrow: Mapping[str, Any] | None) -> Job:
+             kwargs: Mapping[str, Any] | None, narrow: Mapping[str, Any] | None,
+             context: _Context | None = None) -> Job:
         """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
         self._ensure_open()
         limits = self.limits if narrow is None else self.limits.narrow(narrow)
         code = self._check_source(code, limits)
+        job = Job(op="run", code=code, limits=limits, policy=self.policy,
+                  python_path=self.python_path,
+                  **(context or _Context()).fields(limits.source_bytes))
         if entry is None:
             if args or kwargs:
                 raise UsageError("args and kwargs need an entry function to pass them to")
-            return Job(op="run", code=code, limits=limits, policy=self.policy)
+            return job
         if not isinstance(entry, str) or not entry.isidentifier():
             raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return Job(op="call", code=code, limits=limits, policy=self.policy,
-                   entry=entry, args=tuple(args), kwargs=dict(kwargs or {}))
+        return dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
+                                   kwargs=dict(kwargs or {}))
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
@@ -273,6 +299,83 @@ class Sandbox:
             if self._microvm is None:
                 self._microvm = _make_backend("microvm", self._allow_emulation)
             return self._microvm
+
+
+#: ``stdin`` may be this many times ``Limits.source_bytes``: it is data, not code, but it
+#: travels in the request just as the code does.
+STDIN_LIMIT_FACTOR = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What a run gives the program besides its code: stdin, argv, environment, file name."""
+
+    stdin: str | bytes | None = None
+    argv: Sequence[str] | None = None
+    env: Mapping[str, str] | None = None
+    filename: str | None = None
+
+    def fields(self, source_bytes: int) -> dict[str, Any]:
+        """The Job fields, checked; raises UsageError as ``Sandbox.run`` documents."""
+        fields: dict[str, Any] = {}
+        if self.stdin is not None:
+            if isinstance(self.stdin, str):
+                try:
+                    stdin = self.stdin.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise UsageError("stdin must be valid UTF-8 text (it holds a lone "
+                                     "surrogate); pass bytes instead") from None
+            elif isinstance(self.stdin, bytes | bytearray | memoryview):
+                stdin = bytes(self.stdin)
+            else:
+                raise UsageError(f"stdin must be str or bytes, not {type(self.stdin).__name__}")
+            if len(stdin) > STDIN_LIMIT_FACTOR * source_bytes:
+                raise UsageError(f"stdin is {len(stdin)} bytes, over {STDIN_LIMIT_FACTOR} "
+                                 f"times the source_bytes limit of {source_bytes}; raise "
+                                 "Limits.source_bytes, or mount the data as a file instead")
+            fields["stdin"] = stdin
+        if self.argv is not None:
+            if isinstance(self.argv, str | bytes) or not isinstance(self.argv, Sequence):
+                raise UsageError("argv must be a list of str, such as ['main.py', '--all']")
+            fields["argv"] = tuple(_text(arg, "argv items") for arg in self.argv)
+        if self.env is not None:
+            if not isinstance(self.env, Mapping):
+                raise UsageError("env must be a mapping of str to str")
+            for name, value in self.env.items():
+                if not _text(name, "env names") or "=" in name:
+                    raise UsageError(f"env names must be non-empty and hold no '=', "
+                                     f"not {name!r}")
+                _text(value, "env values")
+            fields["env"] = dict(self.env)
+        if self.filename is not None:
+            if not _text(self.filename, "filename"):
+                raise UsageError("filename must not be empty")
+            fields["filename"] = self.filename
+        return fields
+
+
+def _text(value: object, what: str) -> str:
+    """``value`` if it is a str the guest can hold as an OS string; UsageError otherwise."""
+    if not isinstance(value, str):
+        raise UsageError(f"{what} must be str, not {type(value).__name__}")
+    if "\x00" in value:
+        raise UsageError(f"{what} must not hold a NUL character: {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{what} must be valid UTF-8 text: {value!r}") from None
+    return value
+
+
+def _guest_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    """``python_path`` checked: absolute guest paths; raises UsageError otherwise."""
+    if isinstance(paths, str | bytes) or not isinstance(paths, Sequence):
+        raise UsageError("python_path must be a list of guest directories, such as ['/src']")
+    for path in paths:
+        if not _text(path, "python_path entries").startswith("/"):
+            raise UsageError(f"python_path entries are absolute guest paths (inside a "
+                             f"mount), such as '/src', not {path!r}")
+    return tuple(paths)
 
 
 def sandbox_for(code: str, limits: Limits | None, **options: Any) -> Sandbox:

@@ -11,6 +11,15 @@ exactly the values msgpack would deliver (tuples become lists, for instance)::
 ``seed`` is what ``random.seed`` gets at the start of the run; ``None`` reseeds from the
 guest's entropy (which the host decides: seeded or real).
 
+Optional fields, sent only when the caller set them (a plain run's request stays as above)::
+
+    "filename": str       # compile the code under this name, and set __file__ to it
+    "argv": [str, ...], "path": [str, ...], "env": {str: str}, "stdin": bytes | None
+                          # all four together: sys.argv, the directories put first on
+                          # sys.path, os.environ and sys.stdin's bytes (None: left as is)
+
+Every request, ``batch`` included, may carry them.
+
 A ``run`` or ``call`` request may also carry ``"compiled": bytes``, the marshalled code object
 of ``code``; the runner then loads it instead of compiling. A ``compile`` request
 (``{"op": "compile", "code": str, "seed": 0}``) runs none of the code: its reply's value is

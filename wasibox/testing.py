@@ -435,7 +435,7 @@ def fuzz(code: str, entry: str, *, max_examples: int = 100, seed: int = 0,
         replay_dir = tempfile.mkdtemp(prefix="wasibox-fuzz-")
     failures = [FuzzFailure(kind=f.kind, example=f.example, message=str(f),
                             replay=_replay(code, entry, f, path, Path(replay_dir or "."),
-                                           limits, clock))
+                                           limits, clock, sandbox_options.get("mounts", ())))
                 for f in found.values()]
     function.close()
     return FuzzReport(entry=entry, examples=len(fuels), elapsed_s=elapsed, failures=failures,
@@ -479,7 +479,7 @@ def _difference(first: RunResult, second: RunResult) -> str:
 
 
 def _replay(code: str, entry: str, failure: _Finding, path: str | None,
-            replay_dir: Path, limits: Limits | None, clock: str) -> str:
+            replay_dir: Path, limits: Limits | None, clock: str, mounts: Any = ()) -> str:
     """Save ``failure``'s example (and, without ``path``, the code) under ``replay_dir``;
     return the short ``wasibox fuzz ... --replay-file`` line that reruns it."""
     replay_dir.mkdir(parents=True, exist_ok=True)
@@ -490,7 +490,12 @@ def _replay(code: str, entry: str, failure: _Finding, path: str | None,
     example = replay_dir / f"{entry}-{failure.kind}.txt"
     # A Python literal tuple, as --replay takes it; ascii() keeps the file plain text.
     example.write_text(ascii(failure.example) + "\n", encoding="ascii")
-    command = ["wasibox", "fuzz", path, "--entry", entry, "--replay-file", str(example)]
+    # The mounts the code imports its own modules from (a scratch mount has no host side).
+    granted = [f"{mount.host_path}:{mount.guest_path}{':rw' if mount.writable else ''}"
+               for mount in mounts if mount.host_path is not None]
+    command = ["wasibox", "fuzz", path, "--entry", entry,
+               *(part for text in granted for part in ("--mount", text)),
+               "--replay-file", str(example)]
     if limits is not None and limits != Limits():
         # The defaults may not reproduce a limit failure: name every limit the run had.
         command += ["--fuel", str(limits.fuel), "--memory", str(limits.memory_bytes),

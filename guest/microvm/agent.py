@@ -217,15 +217,29 @@ def execute(job):
         # numpy's global generator was seeded when the template imported it: every run would
         # otherwise draw the same stream. Seeded like ``random``; None draws fresh entropy.
         numpy_module.random.seed(None if seed is None else seed & 0xFFFFFFFF)
+    if "argv" in job:
+        # As the wasm runner does: sys.argv, sys.path, os.environ and stdin from the job.
+        # The job's environment replaces the child's defaults, so that a program sees the
+        # same os.environ on both backends.
+        sys.argv[:] = job["argv"]
+        sys.path[:0] = job["path"]
+        os.environ.clear()
+        os.environ.update(job["env"])
+        if job["stdin"] is not None:
+            sys.stdin = io.TextIOWrapper(io.BytesIO(job["stdin"]), encoding="utf-8",
+                                         errors="surrogateescape", newline="\n")
     code = job["code"]
-    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    filename = job.get("filename", _SOURCE_NAME)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    if filename != _SOURCE_NAME:
+        namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
     memory_error = False
     try:
-        exec(compile(code, _SOURCE_NAME, "exec", dont_inherit=True), namespace)
+        exec(compile(code, filename, "exec", dont_inherit=True), namespace)
         if job.get("op") == "call":
             entry = job.get("entry")
             function = namespace.get(entry)

@@ -1,9 +1,13 @@
 """The guest side of the ``files`` capability: ``open``, ``os`` and pathlib over host mounts.
 
 The guest has no WASI preopens, so CPython's own file functions can reach nothing. At
-pre-init, ``install()`` replaces ``builtins.open``, ``io.open`` and the ``os`` functions that
-Python code (and pathlib, shutil, os.walk, glob, tempfile, csv over files) builds on with
-versions that ask the host, through ``capabilities/files/files.wit``. The host decides
+pre-init, ``install()`` replaces ``builtins.open``, ``io.open``, ``io.open_code``,
+``io.FileIO`` (and the same names in ``_io``), ``tokenize.open``'s reader, and the ``os``
+functions that Python code (and pathlib, shutil, os.walk, glob, tempfile, csv over files)
+builds on, in both ``os`` and ``posix`` (which importlib and linecache call directly), with
+versions that ask the host, through ``capabilities/files/files.wit``. So the import system
+(modules and packages on ``sys.path``, ``importlib.resources``, ``runpy``), tracebacks and
+every Python-level reader see one view of the mounts, under one confinement. The host decides
 everything: which paths exist, what may change, quotas. Replacing these functions back (or
 calling the originals some other way) gains the guest nothing: the originals see no files.
 
@@ -14,12 +18,15 @@ and ``os.supports_dir_fd`` says so, so library code does not try them.
 This module never imports the host package.
 """
 
+import _io
 import builtins
 import errno
 import io
 import os
+import posix
 import posixpath
 import stat as _stat
+import tokenize
 import weakref
 
 from componentize_py_types import Err
@@ -43,6 +50,7 @@ _real = {name: getattr(os, name) for name in (
     "read", "write", "close", "lseek", "fstat", "ftruncate", "fsync", "isatty", "listdir",
     "scandir", "stat", "fdatasync", "dup", "pread", "pwrite")}
 _real_open = io.open
+_RealFileIO = io.FileIO
 
 _fds = set()  # descriptors the host gave this run
 _opened = weakref.WeakSet()  # file objects made by open(), closed at the end of the run
@@ -421,16 +429,38 @@ def _chdir(path):
 # -- open() ---------------------------------------------------------------------------------
 
 class FileIO(io.RawIOBase):
-    """Raw, unbuffered I/O on a descriptor the host gave this run (like io.FileIO)."""
+    """io.FileIO over the host's mounts: raw, unbuffered I/O on a descriptor the host gave
+    this run, or on a path it opens (same arguments and errors as io.FileIO).
 
-    def __init__(self, fd, name, mode, closefd=True):
+    A descriptor the host did not give (stdio) gets the original io.FileIO.
+    """
+
+    def __new__(cls, file, mode="r", closefd=True, opener=None, *, _name=None):
+        if isinstance(file, int) and file not in _fds:
+            return _RealFileIO(file, mode, closefd, opener)
+        return super().__new__(cls)
+
+    def __init__(self, file, mode="r", closefd=True, opener=None, *, _name=None):
+        self._fd, self._closefd = -1, closefd  # what close() needs, should __init__ fail
         super().__init__()
+        if not isinstance(mode, str):
+            raise TypeError(f"FileIO() argument 'mode' must be str, not {type(mode).__name__}")
+        modes = set(mode)
+        if modes - set("rwxab+") or len(mode) > len(modes) or \
+                len(modes & set("rwxa")) != 1:
+            raise ValueError(f"invalid mode: {mode}")
+        kind, updating = (modes & set("rwxa")).pop(), "+" in modes
+        if isinstance(file, int):
+            fd, name = file, file if _name is None else _name
+        else:
+            fd, name = _open_path(file, kind, updating, closefd, opener), file
+            if not isinstance(fd, int) or fd not in _fds:  # an opener's other descriptor
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF), file)
         self._fd = fd
         self.name = name
-        self.mode = mode
-        self._closefd = closefd
-        self._readable = "r" in mode or "+" in mode
-        self._writable = any(c in mode for c in "wxa+")
+        self.mode = kind + ("b+" if updating else "b")
+        self._readable = kind == "r" or updating
+        self._writable = kind != "r" or updating
 
     def readable(self):
         self._checkClosed()
@@ -509,6 +539,28 @@ class FileIO(io.RawIOBase):
         return f"<wasibox FileIO name={self.name!r} mode={self.mode!r}>"
 
 
+def _open_path(file, kind, updating, closefd, opener):
+    """A descriptor for ``file`` opened in ``kind`` ("r", "w", "x" or "a") mode, as open()
+    and io.FileIO open it; an ``opener``'s descriptor is returned unchecked."""
+    if not isinstance(file, (str, bytes, os.PathLike)):
+        raise TypeError(f"expected str, bytes or os.PathLike object, not {type(file).__name__}")
+    if not closefd:
+        raise ValueError("Cannot use closefd=False with file name")
+    flags = os.O_RDWR if updating else os.O_RDONLY if kind == "r" else os.O_WRONLY
+    flags |= {"r": 0, "w": os.O_CREAT | os.O_TRUNC, "x": os.O_CREAT | os.O_EXCL,
+              "a": os.O_CREAT | os.O_APPEND}[kind]
+    if opener is not None:
+        return opener(file, flags)
+    return _os_open(file, flags, 0o666, _extra=_F_NOTDIR)  # the host refuses a directory
+
+
+def _open_code(path):
+    """io.open_code: how importlib, runpy and zipimport read code (a binary reader)."""
+    if not isinstance(path, str):
+        raise TypeError(f"open_code() argument 'path' must be str, not {type(path).__name__}")
+    return _open(path, "rb")
+
+
 def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
           closefd=True, opener=None):
     """builtins.open / io.open over the host's mounts (same arguments and errors)."""
@@ -541,26 +593,11 @@ def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None
     if isinstance(file, int):
         fd, name = file, file
     else:
-        if not isinstance(file, (str, bytes, os.PathLike)):
-            raise TypeError(f"expected str, bytes or os.PathLike object, not "
-                            f"{type(file).__name__}")
-        if not closefd:
-            raise ValueError("Cannot use closefd=False with file name")
-        flags = (os.O_RDWR if updating else os.O_RDONLY if reading else os.O_WRONLY)
-        if creating:
-            flags |= os.O_CREAT | os.O_EXCL
-        elif writing:
-            flags |= os.O_CREAT | os.O_TRUNC
-        elif appending:
-            flags |= os.O_CREAT | os.O_APPEND
         name = file
-        if opener is not None:
-            fd = opener(file, flags)
-            if not isinstance(fd, int) or fd not in _fds:
-                return _real_open(fd, mode, buffering, encoding, errors, newline, closefd)
-        else:
-            fd = _os_open(file, flags, 0o666, _extra=_F_NOTDIR)  # the host refuses a directory
-    raw = FileIO(fd, name, raw_mode, closefd)
+        fd = _open_path(file, raw_mode[0], updating, closefd, opener)
+        if not isinstance(fd, int) or fd not in _fds:
+            return _real_open(fd, mode, buffering, encoding, errors, newline, closefd)
+    raw = FileIO(fd, raw_mode, closefd, _name=name)
     try:
         if (isinstance(file, int) or opener is not None) and _stat.S_ISDIR(_fstat(fd).st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
@@ -605,7 +642,12 @@ def install():
     """Route open(), io.open and the os file functions through the host (once, at pre-init)."""
     for name, function in _PATCHES.items():
         setattr(os, name, function)
-    builtins.open = io.open = _open
+        # importlib calls posix directly (its ``_os``); so does linecache's stat via os.
+        if hasattr(posix, name):
+            setattr(posix, name, function)
+    builtins.open = io.open = _io.open = tokenize._builtin_open = _open
+    io.open_code = _io.open_code = _open_code
+    io.FileIO = _io.FileIO = FileIO
     os.DirEntry = DirEntry
     # The originals support dir_fd and fd arguments; these do not, and library code
     # (shutil, glob, pathlib) asks these sets before trying.

@@ -245,15 +245,21 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         return _ResourceReader(fullname)
 
 
-# From here on, nothing is read from the file system: the stdlib mount disappears after the
-# snapshot, and run-time imports must not probe paths that no longer exist.
+# From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
+# file system holds only the run's mounts (wasibox_files.py), and sys.path starts empty, so
+# the path importer finds only what a run puts on sys.path (the job's ``path``, or the
+# program's own sys.path.insert), and reads it through the same mounts as open(). The packed
+# stdlib comes first, so a user module cannot shadow a stdlib one.
 sys.meta_path[:] = [
     importlib.machinery.BuiltinImporter,
     importlib.machinery.FrozenImporter,
     _PackedFinder(),
+    importlib.machinery.PathFinder,
 ]
 sys.path[:] = []
-sys.path_hooks[:] = []
+sys.path_hooks[:] = [importlib.machinery.FileFinder.path_hook(
+    (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
+    (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))]
 sys.path_importer_cache.clear()
 sys.dont_write_bytecode = True
 
@@ -407,39 +413,6 @@ threading._start_joinable_thread = threading._start_new_thread = _no_threads
 wasibox_files.install()
 
 
-class _MountFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports modules and packages from the directories code puts on ``sys.path`` (empty by
-    default), which can only be mounts: files are found and read through the files
-    capability, as every other read is, so only what the host mounted can be imported."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        name = fullname.rpartition(".")[2]
-        for entry in sys.path if path is None else path:
-            if not isinstance(entry, str) or not entry.startswith("/"):
-                continue
-            base = f"{entry.rstrip('/')}/{name}"
-            for filename, package in ((f"{base}/__init__.py", True), (f"{base}.py", False)):
-                if os.path.isfile(filename):
-                    spec = importlib.machinery.ModuleSpec(fullname, self, origin=filename,
-                                                          is_package=package)
-                    spec.has_location = True
-                    if package:
-                        spec.submodule_search_locations = [base]
-                    return spec
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        filename = module.__spec__.origin
-        with open(filename, encoding="utf-8") as handle:
-            source = handle.read()
-        exec(compile(source, filename, "exec"), module.__dict__)
-
-
-sys.meta_path.append(_MountFinder())
-
 # -- run time --------------------------------------------------------------------------------
 
 _SOURCE_NAME = "<sandbox>"
@@ -547,20 +520,25 @@ def _execute(request, streams):
     seed = job.get("seed")
     if seed != _SNAPSHOT_SEED:
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
+    if "argv" in job:
+        _program_context(job)
     if job.get("op") == "batch":
         return _execute_batch(job, records.encode("latin-1"), streams)
     code = job["code"]
-    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    filename = job.get("filename", _SOURCE_NAME)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    if filename != _SOURCE_NAME:
+        namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
     memory_error = False
     try:
         if job.get("op") == "compile":
-            value = _compile_only(code)
+            value = _compile_only(code, filename)
         else:
-            exec(_program(code, job.get("compiled")), namespace)
+            exec(_program(code, job.get("compiled"), filename), namespace)
         if job.get("op") == "call":
             entry = job.get("entry")
             function = namespace.get(entry)
@@ -600,7 +578,24 @@ def _execute(request, streams):
         return _encode(exit_code, error, None, memory_error, _heap_top())
 
 
-def _program(code, compiled):
+def _program_context(job):
+    """Give the program what ``python script.py args`` would: ``sys.argv``, ``sys.path``
+    (the job's ``path`` first), ``os.environ`` and ``sys.stdin``, all from the job alone.
+
+    The host sends these fields only when a caller set one of them (see wasibox/_wire.py).
+    """
+    sys.argv[:] = job["argv"]
+    sys.path[:0] = job["path"]
+    if job["env"]:
+        os.environ.update(job["env"])
+    stdin = job["stdin"]
+    if stdin is not None:
+        # As CPython's own stdin on POSIX: no newline translation, undecodable bytes kept.
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8",
+                                     errors="surrogateescape", newline="\n")
+
+
+def _program(code, compiled, filename=_SOURCE_NAME):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
@@ -608,7 +603,7 @@ def _program(code, compiled):
     first, to start the program from the same state either way.
     """
     if compiled is None:
-        program = compile(code, _SOURCE_NAME, "exec", dont_inherit=True)
+        program = compile(code, filename, "exec", dont_inherit=True)
     else:
         program = marshal.loads(compiled)
     gc.collect()
@@ -616,14 +611,14 @@ def _program(code, compiled):
     return program
 
 
-def _compile_only(code):
+def _compile_only(code, filename=_SOURCE_NAME):
     """The ``compile`` job: the marshalled code object, without running any of it.
 
     Version 2 has no back-references, so the bytes depend only on the source, not on the
     reference counts this interpreter's history left behind; 3.14's constant slices need
     version 5.
     """
-    program = compile(code, _SOURCE_NAME, "exec", dont_inherit=True)
+    program = compile(code, filename, "exec", dont_inherit=True)
     try:
         return marshal.dumps(program, 2)
     except ValueError:
@@ -666,14 +661,15 @@ _HELD = []
 def _execute_batch(job, records, streams):
     """Call the entry function once per record of a batch, in this one instance."""
     code = job["code"]
-    linecache.cache[_SOURCE_NAME] = (len(code), None, code.splitlines(True), _SOURCE_NAME)
+    filename = job.get("filename", _SOURCE_NAME)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     values = []
     errors = []
     error = None
     memory_error = False
     try:
-        exec(_program(code, job.get("compiled")), namespace)
+        exec(_program(code, job.get("compiled"), filename), namespace)
         function = namespace.get(job["entry"])
         if not callable(function):
             raise NameError(f"the code defines no callable named {job['entry']!r}")

@@ -63,6 +63,16 @@ class Job:
     records: bytes = b""
     #: For ``op="batch"``: each record is a tuple of positional arguments.
     star: bool = False
+    #: The name tracebacks and ``__file__`` give the code: its guest path if it came from a
+    #: file (``wasibox run script.py``), else ``<sandbox>``.
+    filename: str = "<sandbox>"
+    #: Guest directories put first on ``sys.path`` (``Sandbox(python_path=...)``).
+    python_path: tuple[str, ...] = ()
+    #: The guest's ``sys.argv`` (None: the default), ``os.environ`` and ``sys.stdin`` bytes
+    #: (None: empty). Nothing of the host's own reaches the guest.
+    argv: tuple[str, ...] | None = None
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    stdin: bytes | None = None
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""
@@ -76,6 +86,12 @@ class Job:
             # it reseeds itself from the host's OS entropy.
             "seed": self.policy.seed if self.policy.entropy == "seeded" else None,
             **({"records": self.records, "star": self.star} if self.op == "batch" else {}),
+            **({"filename": self.filename} if self.filename != "<sandbox>" else {}),
+            # Sent only when set, so a plain run's request (and fuel) stays as it was.
+            **({"argv": list(self.argv if self.argv is not None else [""]),
+                "path": list(self.python_path), "env": dict(self.env), "stdin": self.stdin}
+               if self.argv is not None or self.python_path or self.env
+               or self.stdin is not None else {}),
         }
 
 

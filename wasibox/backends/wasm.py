@@ -725,7 +725,8 @@ class _Compiler:
 
     def __init__(self, runtime_: WasmRuntime) -> None:
         self._runtime = runtime_
-        self._cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str], bytes] = \
+            collections.OrderedDict()
         self._cache_bytes = 0
         self._instance: tuple[wasmtime.Store, Any] | None = None
         self._compiles = 0
@@ -737,13 +738,15 @@ class _Compiler:
         with self._lock:
             if self._closed:
                 return None
-            compiled = self._cache.get(job.code)
+            # The file name is part of the code object (tracebacks name it).
+            key = (job.filename, job.code)
+            compiled = self._cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(job.code)
+                self._cache.move_to_end(key)
                 return compiled
             compiled = self._compile(job)
             if compiled is not None:
-                self._keep(job.code, compiled)
+                self._keep(key, compiled)
             return compiled
 
     def _compile(self, job: Job) -> bytes | None:
@@ -753,7 +756,9 @@ class _Compiler:
         store, execute = self._instance
         self._compiles += 1
         run = _Run(job, store)  # for its limits; compiling writes no output
-        request = encode_request({"op": "compile", "code": job.code, "seed": 0})
+        request = encode_request({"op": "compile", "code": job.code, "seed": 0,
+                                  **({"filename": job.filename}
+                                     if job.filename != "<sandbox>" else {})})
         store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
         with self._runtime.ticker:
@@ -782,15 +787,15 @@ class _Compiler:
             self._cache.clear()
             self._cache_bytes = 0
 
-    def _keep(self, code: str, compiled: bytes) -> None:
-        cost = len(code) + len(compiled)
+    def _keep(self, key: tuple[str, str], compiled: bytes) -> None:
+        cost = len(key[0]) + len(key[1]) + len(compiled)
         if cost > COMPILE_CACHE_BYTES:
             return
-        self._cache[code] = compiled
+        self._cache[key] = compiled
         self._cache_bytes += cost
         while self._cache_bytes > COMPILE_CACHE_BYTES:
-            old_code, old_compiled = self._cache.popitem(last=False)
-            self._cache_bytes -= len(old_code) + len(old_compiled)
+            (old_name, old_code), old_compiled = self._cache.popitem(last=False)
+            self._cache_bytes -= len(old_name) + len(old_code) + len(old_compiled)
 def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state."""
     _current.run = run
