@@ -57,10 +57,11 @@ from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request
+from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from ._stack import call_with_stack
 from .base import Backend, Job, Policy
 
-__all__ = ["WasmBackend", "WasmRuntime", "runtime"]
+__all__ = ["WasmBackend", "WasmRuntime", "doctor_rows", "runtime"]
 
 WASMTIME_VERSION = installed_version("wasmtime")
 WASI_VERSION = "0.2.9"  # the WASI interfaces componentize-py 0.25's guest imports
@@ -492,9 +493,14 @@ class WasmRuntime:
     def __init__(self, artifact: GuestArtifact | None = None, *, pool_size: int = 1,
                  progress: Reporter | None = None) -> None:
         self.artifact = artifact or ensure_guest(progress)
-        self.engine = wasmtime.Engine(_engine_config())
+        config = _engine_config()
+        #: Whether memory slots are reused between instances, and why (see _slots.py).
+        self.slot_reuse: SlotReuse = configure_pooling(config)
+        self.engine = wasmtime.Engine(config)
         self.component, self.min_memory_bytes = _load_compiled(
             self.engine, self.artifact, progress or stderr_reporter())
+        self._slots = (SlotPopulator(_compiled_path(self.artifact).resolve())
+                       if self.slot_reuse.enabled else None)
         self.linker = cm.Linker(self.engine)
         self.linker.add_wasip2()
         _define_host(self.linker)
@@ -518,6 +524,8 @@ class WasmRuntime:
         store.set_fuel(_INSTANTIATION_FUEL)
         store.set_epoch_deadline(2**62)
         instance = self.linker.instantiate(store, self.component)
+        if self._slots is not None:
+            self._slots.track(store)
         execute = instance.get_func(store, "execute")
         if execute is None:
             raise GuestBuildError("the guest component exports no `execute` function; "
@@ -609,6 +617,12 @@ def _prime(store: wasmtime.Store, execute: Any) -> None:
 
 _runtime: WasmRuntime | None = None
 _runtime_lock = threading.Lock()
+
+
+def doctor_rows() -> list[tuple[str, str]]:
+    """What ``wasibox doctor`` reports about this backend, without starting an engine."""
+    reuse = slot_reuse()
+    return [("slot reuse", f"{'on' if reuse.enabled else 'off'}: {reuse.reason}")]
 
 
 def runtime(progress: Reporter | None = None) -> WasmRuntime:
