@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import wasibox
+from wasibox.backends.wasm import WasmBackend
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +32,9 @@ def child_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def run_path_backend(path: str) -> WasmBackend:
+    """A Wasm backend that runs on ``path`` (the Python run path for now)."""
+    assert path == "python"
+    return WasmBackend()
