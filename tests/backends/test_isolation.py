@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wasibox
-from tests.conftest import run_path_backend
+from tests.conftest import RUN_PATHS, run_path_backend
 
 #: The state a run sees, then the scribbling. Fixed text, so every run loads the same code;
 #: the drawn data arrives as arguments of fixed sizes, so decoding them allocates the same.
@@ -83,7 +83,7 @@ def scribble(blob, name, number):
 FIRST_ARGS = (bytes(64), "A" * 8, 2**40)
 
 
-@pytest.fixture(params=["python"])
+@pytest.fixture(params=RUN_PATHS)
 def isolated_sandbox(request: pytest.FixtureRequest) -> wasibox.Sandbox:
     backend = run_path_backend(request.param)
     sandbox = wasibox.Sandbox(backend=backend, mounts=[wasibox.Mount.scratch("/scratch")])

@@ -50,7 +50,7 @@ from wasmtime import _ffi as ffi
 from .._guest import cache_dir, file_sha256
 
 __all__ = ["KNOWN_LIBRARY_SHA256", "SlotPopulator", "SlotReuse", "configure_pooling",
-           "library_path", "library_sha256", "slot_reuse"]
+           "library_path", "library_sha256", "slot_reuse", "unverified_library"]
 
 #: wasmtime-py 50.0.1's bundled libwasmtime (Wasmtime 50.0.0) for linux-x86_64: the only build
 #: whose pooling-config layout (the byte offsets below) has been read and verified.
@@ -61,8 +61,10 @@ _TRISTATE_OFFSET = 0x84
 _TRISTATE_DEFAULTS = bytes([2, 2, 0])  # mpk No, pagemap_scan No, (bool) false
 _PAGEMAP_SCAN_AUTO = 0
 #: How much of a slot is reset in place rather than unmapped: the snapshot image (~28 MiB)
-#: plus what a typical run grows the heap by.
-KEEP_RESIDENT_BYTES = 64 * 2**20
+#: plus what a typical run grows the heap by. Dirtied pages below it stay resident in an
+#: idle slot, so it also bounds what a memory-hungry run leaves behind per slot (64 MiB
+#: kept ~100 MiB of host memory after a compile bomb; pages above it are given back).
+KEEP_RESIDENT_BYTES = 32 * 2**20
 #: The largest memory a slot can hold: all a 32-bit memory can address. The store's own
 #: limit (``Limits.memory_bytes``) caps each run below that.
 MAX_SLOT_MEMORY_BYTES = 4 * 2**30
@@ -111,6 +113,18 @@ def library_sha256() -> str:
     return digest
 
 
+def unverified_library() -> str | None:
+    """Why the loaded Wasmtime library is not the verified build, or None if it is."""
+    try:
+        digest = library_sha256()
+    except OSError as exc:
+        return f"the Wasmtime library could not be read ({exc.strerror})"
+    if digest != KNOWN_LIBRARY_SHA256:
+        return ("this Wasmtime library is not the build whose layout wasibox verified "
+                "(its SHA-256 differs)")
+    return None
+
+
 def _kernel_has_pagemap_scan() -> bool:
     """Ask the kernel for an empty PAGEMAP_SCAN: ENOTTY where the ioctl does not exist."""
     argument = bytearray(_PM_SCAN_ARG_BYTES)
@@ -127,13 +141,9 @@ def slot_reuse() -> SlotReuse:
     """Decide whether this process can reuse memory slots safely, and say why. Never raises."""
     if os.environ.get("WASIBOX_SLOT_REUSE", "1") == "0":
         return SlotReuse(False, "turned off by WASIBOX_SLOT_REUSE=0")
-    try:
-        digest = library_sha256()
-    except OSError as exc:
-        return SlotReuse(False, f"the Wasmtime library could not be read ({exc.strerror})")
-    if digest != KNOWN_LIBRARY_SHA256:
-        return SlotReuse(False, "this Wasmtime library is not the build whose pooling "
-                                "settings were verified (its SHA-256 differs)")
+    problem = unverified_library()
+    if problem is not None:
+        return SlotReuse(False, problem)
     if not _kernel_has_pagemap_scan():
         return SlotReuse(False, "the kernel has no PAGEMAP_SCAN (Linux >= 6.7 needed)")
     pooling = _scanning_pooling_config()
