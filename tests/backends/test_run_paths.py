@@ -33,6 +33,7 @@ PROGRAMS = {
     "fuel": "while True: pass",
     "timeout": "import time\ntime.sleep(5)",
     "output_cap": "print('x' * 5000)",
+    "wasi_output": "import os\nos.write(1, b'a' * 3000)\nos.write(2, b'\\xff' * 3000)",
     "poll": "import select\nselect.select([], [], [], 0.001)",
     "value": "def f(n):\n    import os\n    return [n, os.urandom(n)]",
 }

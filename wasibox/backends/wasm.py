@@ -265,9 +265,11 @@ class _NativeRun(_Run):
         super().__init__(job, store)
         limits, policy = job.limits, job.policy
         self.module = native
+        # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
         self.native = native.Run(
-            fuel=limits.fuel, output_bytes=limits.output_bytes,
-            memory_bytes=limits.memory_bytes, timeout_ns=int(limits.timeout_s * 1e9),
+            fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
+            memory_bytes=min(limits.memory_bytes, _U64_MAX),
+            timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
             real_clock=policy.clock == "real",
             seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
 
@@ -314,6 +316,8 @@ def _address(pointer: Any) -> int:
     return address
 
 
+_U64_MAX = 2**64 - 1
+_MAX_TIMEOUT_NS = 2**62  # ~146 years; keeps the C deadline from overflowing
 _current = threading.local()
 
 

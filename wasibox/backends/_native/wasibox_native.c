@@ -21,6 +21,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -155,8 +156,11 @@ typedef struct {
     /* the deadline on CLOCK_MONOTONIC; set by `call` */
     uint64_t deadline_ns;
     /* state the guest's calls change */
+    /* Output: written by the guest thread (stdio.write) and by Wasmtime's WASI workers
+     * (the guest's C-level writes, through `append`), so guarded by output_lock. */
+    pthread_mutex_t output_lock;
     char *stdout_buf, *stderr_buf;
-    size_t stdout_len, stderr_len;
+    size_t stdout_len, stderr_len, stdout_capacity, stderr_capacity;
     bool stdout_truncated, stderr_truncated;
     bool started;
     int limit;
@@ -373,53 +377,82 @@ HOST_FUNC(host_start) {
     return NULL;
 }
 
-/* Append to stdout or stderr under the shared output cap; false once it is exceeded. */
-static bool append_output(Run *run, int fd, const unsigned char *data, size_t size) {
-    char **buffer = fd == 2 ? &run->stderr_buf : &run->stdout_buf;
-    size_t *length = fd == 2 ? &run->stderr_len : &run->stdout_len;
+/* Grow a buffer to hold `needed` bytes, doubling, never past `limit` (the output cap). */
+static bool reserve(char **buffer, size_t *capacity, size_t needed, size_t limit) {
+    if (needed <= *capacity) return true;
+    size_t grown = *capacity * 2 > needed ? *capacity * 2 : needed;
+    if (grown > limit) grown = needed; /* needed never exceeds the cap: see callers */
+    char *moved = realloc(*buffer, grown);
+    if (moved == NULL) return false;
+    *buffer = moved;
+    *capacity = grown;
+    return true;
+}
+
+/* Append to stdout or stderr under the shared output cap; false once it is exceeded.
+ * `data` holds `size` bytes, or (with `latin1`) UTF-8 text of code points below 256 that
+ * decodes to `size` bytes: only what fits under the cap is decoded. */
+static bool append_output(Run *run, int fd, const unsigned char *data, size_t size,
+                          bool latin1) {
+    pthread_mutex_lock(&run->output_lock);
+    bool stderr_ = fd == 2;
+    char **buffer = stderr_ ? &run->stderr_buf : &run->stdout_buf;
+    size_t *length = stderr_ ? &run->stderr_len : &run->stdout_len;
+    size_t *capacity = stderr_ ? &run->stderr_capacity : &run->stdout_capacity;
     size_t keep = size <= run->output_room ? size : (size_t)run->output_room;
+    bool fits = keep == size;
+    /* The whole run's output is at most the cap, so this stream's buffer is too. */
+    if (keep > 0 && !reserve(buffer, capacity, *length + keep, *length + run->output_room)) {
+        keep = 0; /* the host is out of memory: keep nothing more, as past the cap */
+        fits = false;
+    }
     if (keep > 0) {
-        char *grown = realloc(*buffer, *length + keep);
-        if (grown == NULL) return false; /* the host is out of memory: treat as the cap */
-        memcpy(grown + *length, data, keep);
-        *buffer = grown;
+        unsigned char *out = (unsigned char *)*buffer + *length;
+        if (latin1) {
+            for (size_t i = 0, at = 0; at < keep; at++) {
+                unsigned char lead = data[i];
+                out[at] = lead < 0x80 ? lead : (unsigned char)(((lead & 0x1F) << 6)
+                                                               | (data[i + 1] & 0x3F));
+                i += lead < 0x80 ? 1 : 2;
+            }
+        } else {
+            memcpy(out, data, keep);
+        }
         *length += keep;
         run->output_room -= keep;
     }
-    if (keep == size) return true;
-    if (fd == 2) run->stderr_truncated = true;
-    else run->stdout_truncated = true;
-    if (run->limit == LIMIT_NONE) run->limit = LIMIT_OUTPUT;
-    return false;
+    if (!fits) {
+        if (stderr_) run->stderr_truncated = true;
+        else run->stdout_truncated = true;
+        if (run->limit == LIMIT_NONE) run->limit = LIMIT_OUTPUT;
+    }
+    pthread_mutex_unlock(&run->output_lock);
+    return fits;
 }
 
-/* The guest sends bytes as a string of code points below 256 (latin-1); decode its UTF-8. */
+/* How many latin-1 bytes the UTF-8 `text` decodes to, or -1 if it has a code point >= 256
+ * (where str.encode("latin-1") raises in the Python path, whatever fits under the cap).
+ * Wasmtime has already checked that the text is valid UTF-8. */
+static int64_t latin1_length(const unsigned char *text, size_t size) {
+    int64_t count = 0;
+    for (size_t i = 0; i < size; count++) {
+        unsigned char lead = text[i];
+        if (lead < 0x80) i += 1;
+        else if ((lead == 0xC2 || lead == 0xC3) && i + 1 < size) i += 2;
+        else return -1;
+    }
+    return count;
+}
+
 HOST_FUNC(host_write) {
     ENTER(run)
     if (nargs != 2 || args[0].kind != VAL_U8 || args[1].kind != VAL_STRING)
         return host_failed(run, "host function failed: TypeError");
     const unsigned char *text = (const unsigned char *)args[1].of.string.data;
-    size_t size = args[1].of.string.size;
-    /* The decoded bytes are never more than the UTF-8, and only what fits is kept. */
-    unsigned char *bytes = malloc(size > 0 ? size : 1);
-    if (bytes == NULL) return host_failed(run, "host function failed: MemoryError");
-    size_t count = 0;
-    for (size_t i = 0; i < size;) {
-        unsigned char lead = text[i];
-        if (lead < 0x80) {
-            bytes[count++] = lead;
-            i += 1;
-        } else if ((lead & 0xE0) == 0xC0 && i + 1 < size && lead <= 0xC3) {
-            bytes[count++] = (unsigned char)(((lead & 0x1F) << 6) | (text[i + 1] & 0x3F));
-            i += 2;
-        } else { /* a code point >= 256: str.encode("latin-1") raises in the Python path */
-            free(bytes);
-            return host_failed(run, "host function failed: UnicodeEncodeError");
-        }
-    }
-    bool fits = run->limit == LIMIT_NONE && append_output(run, args[0].of.u8, bytes, count);
-    free(bytes);
-    if (!fits) return stop(run, LIMIT_OUTPUT);
+    int64_t count = latin1_length(text, args[1].of.string.size);
+    if (count < 0) return host_failed(run, "host function failed: UnicodeEncodeError");
+    if (run->limit != LIMIT_NONE || !append_output(run, args[0].of.u8, text, (size_t)count, true))
+        return stop(run, LIMIT_OUTPUT);
     return NULL;
 }
 
@@ -627,6 +660,7 @@ static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     run->timeout_ns = timeout_ns;
     run->real_clock = real_clock != 0;
     run->exit_code = -1;
+    pthread_mutex_init(&run->output_lock, NULL);
     run->deadline_ns = UINT64_MAX;
     atomic_init(&run->cancelled, 0);
     if (seed_words != Py_None) {
@@ -648,6 +682,7 @@ static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
 }
 
 static void Run_dealloc(Run *run) {
+    pthread_mutex_destroy(&run->output_lock);
     free(run->stdout_buf);
     free(run->stderr_buf);
     Py_TYPE(run)->tp_free((PyObject *)run);
@@ -663,7 +698,7 @@ static PyObject *Run_append(Run *run, PyObject *args) {
     int fd;
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "iy*", &fd, &data)) return NULL;
-    bool fits = append_output(run, fd, data.buf, (size_t)data.len);
+    bool fits = append_output(run, fd, data.buf, (size_t)data.len, false);
     PyBuffer_Release(&data);
     return PyBool_FromLong(fits);
 }
