@@ -575,12 +575,18 @@ class WasmRuntime:
     """The per-process part of the backend: engine, compiled guest, linker, instance pool."""
 
     def __init__(self, artifact: GuestArtifact | None = None, *, pool_size: int = 1,
-                 progress: Reporter | None = None, run_path: RunPath | None = None) -> None:
+                 progress: Reporter | None = None, run_path: RunPath | None = None,
+                 reuse_slots: bool = True) -> None:
+        """``run_path`` as WasmBackend's; ``reuse_slots=False`` keeps Wasmtime's default
+        allocator (benchmarks compare with it). Raises UsageError if ``run_path`` is
+        "native" and the extension is unavailable, GuestBuildError if the guest cannot
+        be built or compiled."""
         requested = _checked_run_path(run_path)
         self.artifact = artifact or ensure_guest(progress)
         config = _engine_config()
         #: Whether memory slots are reused between instances, and why (see _slots.py).
-        self.slot_reuse: SlotReuse = configure_pooling(config)
+        self.slot_reuse: SlotReuse = (configure_pooling(config) if reuse_slots else
+                                      SlotReuse(False, "turned off for this runtime"))
         self.engine = wasmtime.Engine(config)
         self.component, self.min_memory_bytes = _load_compiled(
             self.engine, self.artifact, progress or stderr_reporter())
