@@ -645,8 +645,7 @@ class WasmRuntime:
         _prime(store, execute, native)
         return store, execute
 
-    def take(self, run_path: Literal["native", "python"] | None = None,
-             ) -> tuple[wasmtime.Store, Any]:
+    def take(self) -> tuple[wasmtime.Store, Any]:
         """A pre-made instance if one is ready, else a new one.
 
         Taking a pre-made instance does not start its replacement: the caller calls
@@ -654,8 +653,6 @@ class WasmRuntime:
         CPU and of the GIL, which the run would otherwise compete for (every ctypes call and
         host callback of the run waits for the GIL): that doubled the p90 latency of a run.
         """
-        if run_path is not None and run_path != self.run_path:
-            return self.instantiate(run_path)  # the pool is for this runtime's path
         with self._pool_cond:
             if self._pool:
                 return self._pool.popleft()
@@ -821,7 +818,9 @@ class WasmBackend(Backend):
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         try:
-            store, execute = rt.take(self.run_path)
+            # The pool holds instances for the runtime's own path only.
+            store, execute = (rt.take() if self.run_path == rt.run_path
+                              else rt.instantiate(self.run_path))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if self.run_path == "native" else None
