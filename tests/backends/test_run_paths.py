@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 import wasibox
 from tests.conftest import run_path_backend
+from wasibox.backends import _native, wasm
 from wasibox.backends.base import Job, Policy
 from wasibox.backends.wasm import WasmBackend, runtime
 
@@ -104,3 +106,32 @@ def test_a_native_backend_without_the_extension_is_a_usage_error(
         WasmBackend(rt, run_path="native")
     with pytest.raises(wasibox.UsageError, match="'auto', 'native' or 'python'"):
         WasmBackend(rt, run_path="fast")  # type: ignore[arg-type]
+
+
+def test_without_a_c_compiler_the_extension_is_reported_unavailable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "wasibox-no-such-compiler")
+    build = _native.load(lambda message: None)
+    assert build.module is None and "no C compiler found" in build.reason
+
+
+def test_a_failing_compile_is_reported_and_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    build = _native.load(lambda message: None)
+    assert build.module is None and "the C compiler failed" in build.reason
+    assert not list((tmp_path / "native").rglob("*.so*"))
+
+
+def test_where_the_extension_is_unavailable_the_python_path_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wasm, "load_native", lambda progress: _native.NativeBuild(
+        None, "no C compiler found (set CC, or install gcc)"))
+    rt = wasm.WasmRuntime(pool_size=0)
+    assert rt.run_path == "python"
+    with wasibox.Sandbox(backend=WasmBackend(rt)) as sb:
+        assert sb.run("print(1+1)").stdout == "2\n"
+    with pytest.raises(wasibox.UsageError, match="no C compiler found"):
+        wasm.WasmRuntime(pool_size=0, run_path="native")

@@ -719,11 +719,14 @@ static PyObject *Run_outcome(Run *run, PyObject *unused) {
         Py_XDECREF(exit_code);
         return NULL;
     }
-    return Py_BuildValue("(y#y#OONNN)", run->stdout_buf ? run->stdout_buf : "",
-                         (Py_ssize_t)run->stdout_len, run->stderr_buf ? run->stderr_buf : "",
-                         (Py_ssize_t)run->stderr_len,
-                         run->stdout_truncated ? Py_True : Py_False,
-                         run->stderr_truncated ? Py_True : Py_False, limit, fault_, exit_code);
+    pthread_mutex_lock(&run->output_lock); /* a WASI worker may still be writing */
+    PyObject *outcome = Py_BuildValue(
+        "(y#y#OONNN)", run->stdout_buf ? run->stdout_buf : "", (Py_ssize_t)run->stdout_len,
+        run->stderr_buf ? run->stderr_buf : "", (Py_ssize_t)run->stderr_len,
+        run->stdout_truncated ? Py_True : Py_False, run->stderr_truncated ? Py_True : Py_False,
+        limit, fault_, exit_code);
+    pthread_mutex_unlock(&run->output_lock);
+    return outcome;
 }
 
 static PyMethodDef Run_methods[] = {
