@@ -22,6 +22,13 @@ This is the only module that imports ``wasmtime``. It owns:
 * the wiring of the host-call channel (host functions and mediated HTTP). Its checks and
   policy live in ``wasibox/_hostcall.py`` and ``wasibox/_http.py``, shared by every backend.
 
+Two run paths give the same behaviour: the *native* one (the default where it can be built)
+makes the guest call and serves the host functions every run uses in C, with the GIL
+released (``_native/``); the *Python* one does both through wasmtime-py. Files, host
+functions and HTTP are Python on both. ``WASIBOX_RUN_PATH`` or ``WasmBackend(run_path=...)``
+choose. Memory slots are reused between instances where that is verified safe
+(``_slots.py``).
+
 Wasmtime's own errors are converted to wasibox results in one place, ``_classify``.
 """
 
