@@ -161,7 +161,7 @@ def test_call_returns_the_value(alice: httpx.Client) -> None:
         "code": "def f(x, *, scale):\n    return {'y': x * scale, 'raw': b'ab'}",
         "entry": "f", "args": [4], "kwargs": {"scale": 10}})
     assert response.status_code == 200
-    assert response.json()["value"] == {"y": 40, "raw": "ab"}
+    assert response.json()["value"] == {"y": 40, "raw": {"base64": "YWI="}}
 
 
 def test_guest_errors_are_results_with_only_guest_frames(alice: httpx.Client) -> None:

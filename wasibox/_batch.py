@@ -15,17 +15,25 @@ import itertools
 import json
 import marshal
 import operator
+import re
 import struct
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from ._result import clean_text, clean_value
 from ._wire import MAX_DEPTH, ProtocolError, check_depth, check_json_depth, decode_packed
 
 __all__ = ["BatchReply", "decode_batch_reply", "encode_records"]
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _EXCEPTION_KEYS = ("type", "message", "traceback")
+#: A JSON escape of a lone surrogate: a high one not followed by a low one, or a low one not
+#: preceded by a high one (an escaped pair is one character, which the guest's ASCII-only
+#: JSON writes for every character outside the BMP).
+_LONE_SURROGATE_ESCAPE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 def encode_records(records: list[Any]) -> bytes:
@@ -162,6 +170,10 @@ def decode_batch_reply(text: str, count: int, max_bytes: int) -> BatchReply:
         raise ProtocolError(f"the guest's batch reply is not valid JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("the guest's batch reply is not an object")
+    if _LONE_SURROGATE_ESCAPE.search(head):
+        # json.loads restores a lone surrogate from its escape; values must encode as UTF-8
+        # (see wasibox._result). Rare, so the common reply is not walked.
+        message = clean_value(message)
     error = _exception(message.get("error"))
     memory_error = message.get("memory_error")
     if type(memory_error) is not bool:
@@ -192,7 +204,7 @@ def _exception(value: Any) -> dict[str, str] | None:
     if not (isinstance(value, dict)
             and all(type(value.get(key)) is str for key in _EXCEPTION_KEYS)):
         raise ProtocolError("the guest's batch reply has a malformed exception")
-    return {key: value[key] for key in _EXCEPTION_KEYS}
+    return {key: clean_text(value[key]) for key in _EXCEPTION_KEYS}
 
 
 def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str) -> list[Any]:

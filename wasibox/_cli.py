@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from ._errors import UsageError, WasiboxError
 from ._files import Mount
@@ -212,7 +212,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                  backend=args.backend, allow_emulation=args.allow_emulation) as sandbox:
         result = sandbox.run(code)
     if args.json:
-        print(json.dumps(result.to_dict(), default=_json_default, indent=2))
+        print(json.dumps(result.to_dict(), indent=2))
     else:
         _relay(sys.stdout, result.stdout)
         sys.stdout.flush()
@@ -238,12 +238,6 @@ def _mount(text: str) -> Mount:
     if not host or not guest or mode not in ("", "ro", "rw"):
         raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
     return Mount(host, guest, writable=mode == "rw")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("latin-1")
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

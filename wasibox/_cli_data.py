@@ -251,7 +251,7 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     clock: Literal["virtual", "real"] = "real" if args.real_clock else "virtual"
     if args.replay is not None:
         result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock)
-        print(json.dumps(result.to_dict(), default=repr, indent=2))
+        print(json.dumps(result.to_dict(), indent=2))
         return 0 if result.ok else 1
     report = fuzz(code, args.entry, max_examples=args.max_examples, seed=args.seed,
                   limits=_limits(args), clock=clock, target_fuel=not args.no_target,

@@ -27,7 +27,6 @@ use.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import inspect
 import json
@@ -52,7 +51,7 @@ from ._errors import ConfigError, UsageError, WasiboxError
 from ._files import STAGING_DIR, Mount
 from ._hostcall import HostCalls, StopRun, host_error_message
 from ._limits import Limit, Limits
-from ._result import RunResult
+from ._result import RunResult, json_value
 from ._sandbox import Sandbox
 from ._version import __version__
 
@@ -377,7 +376,9 @@ get its return value back as JSON. The function runs on the host, outside the sa
 the same policy as a call from sandboxed code: only the functions listed below exist, the \
 arguments and the result are each limited to {call_bytes} bytes once encoded, and a call still \
 running after {timeout:g} s is abandoned. Code in run_python can call the same functions \
-(`import host; host.NAME(...)`). Bytes in a result are shown as {{"base64": "..."}}.
+(`import host; host.NAME(...)`). In a result, bytes are shown as {{"base64": "..."}}, NaN and \
+infinities as {{"float": "nan"}}, and maps with keys that are not strings as \
+{{"map": [[key, value], ...]}}.
 
 Functions:
 {functions}"""
@@ -411,17 +412,8 @@ def describe_functions(functions: dict[str, Callable[..., Any]]) -> str:
     return "\n".join(lines)
 
 
-def _jsonable(value: object) -> object:
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode("ascii")}
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
 def _as_json(value: object) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False, default=_jsonable)
-    except (TypeError, ValueError):
-        return repr(value)  # a map with keys JSON cannot carry (bytes, lists)
+    return json.dumps(json_value(value), ensure_ascii=False)
 
 
 def call_host_function(policy: McpPolicy, name: str, args: list[Any],

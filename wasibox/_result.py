@@ -1,34 +1,145 @@
-"""What a run produced: ``RunResult``, built by the same code for every backend."""
+"""What a run produced: ``RunResult``, built by the same code for every backend, and its one
+JSON form.
+
+**Text.** Every ``str`` in a result is valid Unicode that encodes as UTF-8, whatever the guest
+wrote. The guest's bytes (stdout, stderr) are decoded as UTF-8 with each undecodable
+sequence replaced by U+FFFD, and its text (the exception's type, message and traceback, file
+names, capability targets) has each lone surrogate (U+D800-U+DFFF, which a JSON ``\\udc80``
+escape or a file name decoded with ``surrogateescape`` can carry) replaced by U+FFFD too:
+one marker for text that was not valid, applied by ``clean_text``. (The exception reaches
+the host as JSON, which reads an escaped high surrogate followed by a low one as the one
+character they encode.) Replacement rather than an escape such as ``backslashreplace``,
+because an escape is text the guest could have printed itself, and because every consumer
+(a JSON encoder, an MCP transport, a terminal) accepts U+FFFD. NUL and other control
+characters are valid UTF-8 and are kept (JSON escapes them; the CLI makes them inert on a
+terminal). Values need no pass of their own here: msgpack decodes their strings as strict
+UTF-8 and a reply that is not is a ``ProtocolError`` (batch replies, whose values are JSON,
+are cleaned by ``wasibox/_batch.py``); the JSON form still cleans every string it writes.
+
+**JSON.** ``RunResult.to_dict`` is the one JSON form of a result, used by ``wasibox serve``,
+``wasibox run --json`` and the MCP server's JSON values (``json_value``). JSON has no bytes,
+no NaN or infinity and only string keys, so these become tagged objects::
+
+    b"\\x00\\xff"          -> {"base64": "AP8="}
+    float("nan")         -> {"float": "nan"}     (also "inf" and "-inf")
+    {1: "a", b"k": 2}    -> {"map": [[1, "a"], [{"base64": "aw=="}, 2]]}
+
+A dict is written as a ``map`` when a key is not a str, and also when its only key is one of
+the tags (``{"base64": "x"}`` from the guest), so a tagged object always means its tag.
+Tuples are arrays.
+"""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import math
+import re
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._events import CapabilityEvent
 from ._limits import Limit
 from ._wire import ProtocolError, decode_reply
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from ._files import FileRecord, RefusedFile
 
-__all__ = ["GuestException", "Outcome", "RunResult", "build_result"]
+__all__ = ["GuestException", "Outcome", "RunResult", "build_result", "clean_text",
+           "clean_value", "json_value"]
+
+#: A lone surrogate: a code point that a str can hold and UTF-8 cannot encode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+#: The keys that make a one-key JSON object a tagged value rather than a dict.
+_TAGS = frozenset({"base64", "float", "map"})
+
+
+def clean_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD, so that it encodes as UTF-8."""
+    if text.isascii():  # the common case, checked at C speed
+        return text
+    try:
+        text.encode("utf-8")  # C speed too; the regex only runs on text that needs it
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def clean_value(value: Any) -> Any:
+    """Plain data (lists, tuples, dicts, scalars) with ``clean_text`` applied to every str in
+    it, dict keys included; other values are returned as they are."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, list | tuple):
+        return type(value)(clean_value(item) for item in value)
+    if isinstance(value, dict):
+        return {clean_value(key): clean_value(item) for key, item in value.items()}
+    return value
+
+
+def json_value(value: Any) -> Any:
+    """A value from the guest as JSON data, in the form the module docstring describes.
+
+    Raises TypeError for a type that is not a documented value type (only the host can build
+    one: the guest's values are decoded to plain types).
+    """
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, list | tuple):
+        return [json_value(item) for item in value]
+    if isinstance(value, dict):
+        if all(type(key) is str for key in value) and not (
+                len(value) == 1 and next(iter(value)) in _TAGS):
+            return {clean_text(key): json_value(item) for key, item in value.items()}
+        return {"map": [[json_value(key), json_value(item)] for key, item in value.items()]}
+    raise TypeError(f"a {type(value).__name__} is not a value wasibox can return")
+
+
+_Record = TypeVar("_Record", bound="DataclassInstance")
+
+
+def _clean_record(record: _Record) -> _Record:
+    """A dataclass record (a file record, a capability event) with its str fields cleaned;
+    the record itself when they were clean already."""
+    changed: dict[str, str] = {}
+    for field in dataclasses.fields(record):
+        text = getattr(record, field.name)
+        if isinstance(text, str) and (clean := clean_text(text)) is not text:
+            changed[field.name] = clean
+    return dataclasses.replace(record, **changed) if changed else record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GuestException:
-    """An exception raised by guest code, as the guest saw it (no host frames or paths)."""
+    """An exception raised by guest code, as the guest saw it (no host frames or paths).
+
+    The guest chose all three texts; lone surrogates in them become U+FFFD (``clean_text``).
+    """
 
     type: str
     message: str
     traceback: str
+
+    def __post_init__(self) -> None:
+        for name in ("type", "message", "traceback"):
+            object.__setattr__(self, name, clean_text(getattr(self, name)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunResult:
     """Everything one run produced.
 
-    ``ok`` is True iff the run exited 0, raised nothing and exceeded no limit.
+    ``ok`` is True iff the run exited 0, raised nothing and exceeded no limit. Every str in it
+    encodes as UTF-8 (see the module docstring for how guest text that did not is replaced).
     """
 
     ok: bool
@@ -56,10 +167,27 @@ class RunResult:
     #: virtualization) or "tcg" (QEMU's software emulation, not a security boundary).
     isolation: str = "wasm"
 
+    def __post_init__(self) -> None:
+        # Backends build results from guest text; so does dataclasses.replace. Cleaning here
+        # holds for every path, and costs a C-speed scan of text that is already valid.
+        for name in ("stdout", "stderr"):
+            object.__setattr__(self, name, clean_text(getattr(self, name)))
+        object.__setattr__(self, "files", [_clean_record(r) for r in self.files])
+        object.__setattr__(self, "files_refused", [_clean_record(r) for r in self.files_refused])
+        object.__setattr__(self, "capability_log",
+                           tuple(_clean_record(event) for event in self.capability_log))
+
     def to_dict(self) -> dict[str, Any]:
-        """The result as plain JSON-compatible data (``value`` included as is)."""
+        """The result as JSON data: the one JSON form that ``wasibox serve``, the MCP server
+        and ``wasibox run --json`` share (bytes, non-finite floats and maps with keys that are
+        not str as tagged objects; see the module docstring).
+
+        Raises TypeError if ``value`` holds a type that is not a documented value type.
+        """
         data = dataclasses.asdict(self)
         data["limit_exceeded"] = self.limit_exceeded.value if self.limit_exceeded else None
+        data["value"] = json_value(self.value)
+        data["capability_log"] = [json_value(event) for event in data["capability_log"]]
         return data
 
 

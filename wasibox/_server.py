@@ -126,7 +126,10 @@ class CapabilityEventModel(BaseModel):
 
 
 class RunResultModel(BaseModel):
-    """What one run produced (``wasibox.RunResult``). Bytes in ``value`` are latin-1 text."""
+    """What one run produced (``wasibox.RunResult.to_dict()``). Every string is valid UTF-8
+    (guest text that was not has U+FFFD in its place); in ``value``, bytes, NaN and infinities
+    and maps with keys that are not strings are tagged objects: ``{"base64": ...}``,
+    ``{"float": "nan"}``, ``{"map": [[key, value], ...]}``."""
 
     ok: bool
     exit_code: int
@@ -146,6 +149,7 @@ class RunResultModel(BaseModel):
         description="files written under writable mounts (published only when ok)")
     files_refused: list[RefusedFileModel]
     capability_log: list[CapabilityEventModel]
+    isolation: str = Field(description="wasm, or for the microVM kvm or tcg (emulation)")
 
 
 class ErrorModel(BaseModel):
@@ -509,25 +513,10 @@ def _log_run(tenant: str, op: str, outcome: str, result: RunResult | None,
 
 def _result_json(result: RunResult) -> dict[str, Any]:
     data = result.to_dict()
-    data["value"] = _jsonable(data["value"])
     # A denial's reason can say what a name resolved to (an internal address): that stays
     # on the host. The tenant sees what was decided, not why.
     data["capability_log"] = [{**event, "reason": None} for event in data["capability_log"]]
     return data
-
-
-def _jsonable(value: Any) -> Any:
-    """A guest value as JSON: bytes as latin-1 text, keys as strings, non-finite floats as
-    strings (JSON has none)."""
-    if isinstance(value, bytes):
-        return value.decode("latin-1")
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(_jsonable(k)): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 # -- running it -------------------------------------------------------------------------------
