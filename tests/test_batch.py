@@ -12,6 +12,8 @@ from wasibox._batch import decode_batch_reply, encode_records
 from wasibox._wire import ProtocolError
 
 LIMIT = 2**20
+#: An element cap no test reply reaches.
+ELEMENTS = 2**20
 
 
 def reply(values: object, count: int, errors: list[object] | None = None, tail: str = "",
@@ -30,7 +32,7 @@ def test_columns_decode_to_rows() -> None:
     text = reply({"columns": ["q", ["a", None, "c"], "g", "i"], "keys": ["n", "s", "x", "k"]},
                  3, tail=ints + marshalled([0.5, -0.0, float("inf")])
                  + marshalled([7, -(2**31), 2**31 - 1]))
-    decoded = decode_batch_reply(text, 3, LIMIT)
+    decoded = decode_batch_reply(text, 3, LIMIT, ELEMENTS)
     assert decoded.values == [{"n": 1, "s": "a", "x": 0.5, "k": 7},
                               {"n": -2, "s": None, "x": -0.0, "k": -(2**31)},
                               {"n": 2**62, "s": "c", "x": float("inf"), "k": 2**31 - 1}]
@@ -51,19 +53,19 @@ def test_columns_decode_to_rows() -> None:
 def test_forged_marshalled_columns_are_protocol_errors(kind: str, tail: str) -> None:
     text = reply({"columns": [kind], "keys": ["n"]}, 2, tail=tail)
     with pytest.raises(ProtocolError):
-        decode_batch_reply(text, 2, LIMIT)
+        decode_batch_reply(text, 2, LIMIT, ELEMENTS)
 
 
 def test_keys_are_data_never_code() -> None:
     key = "a}: __import__('os').system('false'), {'b"
     text = reply({"columns": [[1]], "keys": [key]}, 1)
-    assert decode_batch_reply(text, 1, LIMIT).values == [{key: 1}]
+    assert decode_batch_reply(text, 1, LIMIT, ELEMENTS).values == [{key: 1}]
 
 
 def test_failed_positions_are_skipped_by_columns() -> None:
     error = {"type": "ValueError", "message": "m", "traceback": ""}
     text = reply({"columns": [[10, 30]], "keys": ["v"]}, 3, errors=[[1, error]])
-    decoded = decode_batch_reply(text, 3, LIMIT)
+    decoded = decode_batch_reply(text, 3, LIMIT, ELEMENTS)
     assert decoded.errors == {1: error}
     assert decoded.values[0] == {"v": 10} and decoded.values[2] == {"v": 30}
 
@@ -84,21 +86,22 @@ def test_failed_positions_are_skipped_by_columns() -> None:
 ])
 def test_malformed_replies_are_protocol_errors(text: str, count: int) -> None:
     with pytest.raises(ProtocolError):
-        decode_batch_reply(text, count, LIMIT)
+        decode_batch_reply(text, count, LIMIT, ELEMENTS)
 
 
 def test_a_json_bomb_is_refused_before_parsing() -> None:
     for bomb in ("[" * 10**6, '{"a":' * 10**5, reply({"json": ["[" * 50]}, 1)):
         if bomb.startswith("{\"error"):
-            assert decode_batch_reply(bomb, 1, 10**8).values == ["[" * 50]  # inside a string
+            # inside a string
+            assert decode_batch_reply(bomb, 1, 10**8, ELEMENTS).values == ["[" * 50]
         else:
             with pytest.raises(ProtocolError, match="nests deeper"):
-                decode_batch_reply(bomb, 1, 10**8)
+                decode_batch_reply(bomb, 1, 10**8, ELEMENTS)
 
 
 def test_oversized_reply_is_refused_before_parsing() -> None:
     with pytest.raises(ProtocolError, match="larger"):
-        decode_batch_reply(" " * 100, 1, 50)
+        decode_batch_reply(" " * 100, 1, 50, ELEMENTS)
 
 
 def test_equal_records_marshal_to_equal_bytes() -> None:

@@ -113,7 +113,7 @@ print(dict(os.environ), sys.argv, os.getcwd())
 print(os.listdir('/'))
 """)
     assert "s3cr3t-canary" not in r.stdout + r.stderr
-    assert r.stdout.startswith("{} [] /\n")
+    assert r.stdout.startswith("{} [''] /\n")  # argv as for `python -c`
     # No files are granted: the root directory is empty or not readable at all.
     assert r.ok and r.stdout.splitlines()[1] == "[]" or (r.error and r.error.type.endswith("Error"))
 

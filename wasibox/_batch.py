@@ -1,9 +1,11 @@
 """The host side of a batch: encode records for the guest, check and decode its reply.
 
-The shapes are documented in ``wasibox/_wire.py``. The reply is untrusted: it is size-checked
-before it is parsed (with the C JSON decoder, never marshal), then every part is shape- and
-depth-checked. Column checks run at C speed (``set(map(type, ...))``); only values that are
-not flat scalars pay for a Python-level depth walk.
+The shapes are documented in ``wasibox/_wire.py``. The reply is untrusted: it is size-checked,
+outlined and its elements counted (see ``wasibox._wire.json_outline``) before it is parsed
+(with the C JSON decoder, never marshal), then every part is shape- and depth-checked, and
+everything it decodes to (JSON, packed values, the rows built from columns) counts against
+one element cap for the whole reply. Column checks run at C speed (``set(map(type, ...))``);
+only values that are not flat scalars pay for a Python-level depth walk.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ._result import clean_text, clean_value
-from ._wire import MAX_DEPTH, ProtocolError, check_depth, check_json_depth, decode_packed
+from ._wire import (
+    MAX_DEPTH,
+    ProtocolError,
+    check_depth,
+    check_json_depth,
+    decode_packed,
+    json_outline,
+    max_elements,
+)
 
-__all__ = ["BatchReply", "decode_batch_reply", "encode_records"]
+__all__ = ["BatchReply", "batch_elements", "decode_batch_reply", "encode_records"]
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _EXCEPTION_KEYS = ("type", "message", "traceback")
@@ -154,16 +164,33 @@ class BatchReply:
     values: list[Any]
 
 
-def decode_batch_reply(text: str, count: int, max_bytes: int) -> BatchReply:
+#: Elements a batch reply may hold per record, on top of one value's cap (``batch_elements``).
+ELEMENTS_PER_RECORD = 64
+
+
+def batch_elements(memory_bytes: int, count: int) -> int:
+    """The most elements the reply to a batch of ``count`` records may decode to.
+
+    One value's cap (``wasibox._wire.max_elements``) plus ``ELEMENTS_PER_RECORD`` per
+    record: the reply, errors and every record's output together. A batch whose outputs
+    are bigger is refused as a whole, and so split and re-run (see wasibox/_transform.py)
+    until each part fits, down to one record under one value's cap.
+    """
+    return max_elements(memory_bytes) + ELEMENTS_PER_RECORD * count
+
+
+def decode_batch_reply(text: str, count: int, max_bytes: int, elements: int) -> BatchReply:
     """Parse and check the guest's reply to a batch of ``count`` records.
 
-    Raises ProtocolError when it breaks the contract in any way.
+    ``max_bytes`` caps its size in characters, ``elements`` everything it decodes to (see
+    ``batch_elements``). Raises ProtocolError when it breaks the contract in any way.
     """
     if len(text) > max_bytes:
         raise ProtocolError(f"the guest's batch reply is larger than {max_bytes} bytes")
     head, _, tail = text.partition("\x00")
+    outline, spent = json_outline(head, elements)
     # The reply's own levels ({"values": {"json": [...]}}) above values up to MAX_DEPTH.
-    check_json_depth(head, MAX_DEPTH + 4)
+    check_json_depth(outline, MAX_DEPTH + 4)
     try:
         message = json.loads(head)
     except (ValueError, RecursionError) as exc:
@@ -194,7 +221,8 @@ def decode_batch_reply(text: str, count: int, max_bytes: int) -> BatchReply:
         described = _exception(item[1])
         assert described is not None
         errors.setdefault(item[0], described)
-    values = _values(message.get("values"), count, errors, tail)
+    # The packed values and the rows come on top of what the parsed head holds.
+    values = _values(message.get("values"), count, errors, tail, elements - spent)
     return BatchReply(None, memory_error, errors, values)
 
 
@@ -207,11 +235,13 @@ def _exception(value: Any) -> dict[str, str] | None:
     return {key: clean_text(value[key]) for key in _EXCEPTION_KEYS}
 
 
-def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str) -> list[Any]:
+def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str,
+            room: int) -> list[Any]:
+    """The records' values; ``room`` is how many more elements they may decode to."""
     if not isinstance(body, dict):
         raise ProtocolError("the guest's batch reply has no values")
     if "columns" in body:
-        return _from_columns(body, count, errors, tail)
+        return _from_columns(body, count, errors, tail, room)
     if tail:
         raise ProtocolError("the guest's batch reply has bytes after its values")
     plain = body.get("json")
@@ -224,17 +254,22 @@ def _values(body: Any, count: int, errors: dict[int, dict[str, str]], tail: str)
         if not (isinstance(key, str) and key.isdigit() and int(key) < count
                 and isinstance(encoded, str)):
             raise ProtocolError("the guest's batch reply has a malformed packed value")
-        values[int(key)] = decode_packed(encoded, "a packed value")
+        values[int(key)], used = decode_packed(encoded, "a packed value", room)
+        room -= used
     return values
 
 
 def _from_columns(body: dict[str, Any], count: int, errors: dict[int, dict[str, str]],
-                  tail: str) -> list[Any]:
+                  tail: str, room: int) -> list[Any]:
     keys, columns = body.get("keys"), body.get("columns")
     rows = count - len(errors)
     if not (isinstance(keys, list) and isinstance(columns, list) and len(keys) == len(columns)
             and all(type(key) is str for key in keys) and len(set(keys)) == len(keys)):
         raise ProtocolError("the guest's batch reply has malformed columns")
+    # Each row is a dict with one entry per key, each value made from the tail or already
+    # counted in the JSON: counted before any row or column is built.
+    if rows * (1 + len(keys)) > room:
+        raise ProtocolError("the guest's batch reply holds more elements than its cap")
     sizes = [_blob_size(column, rows) for column in columns]
     if len(tail) != sum(sizes):
         raise ProtocolError("the guest's batch reply has column bytes of the wrong length")

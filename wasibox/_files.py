@@ -347,6 +347,9 @@ class _Mounted:
         self.tree: Path | None = None
         #: rel path -> (kind, inode) of what the host held when the run started.
         self.baseline: dict[tuple[str, ...], tuple[str, int]] = {}
+        #: inode -> the permission bits the guest set, where the disk keeps the owner access
+        #: the host needs (see _owner_bits); shown by stat and published with the file.
+        self.modes: dict[int, int] = {}
         self.used_bytes = 0
         self.used_files = 0
         self.quota_bytes = int(mount.quota_bytes)
@@ -650,7 +653,8 @@ class FileSession:
 
     def _info(self, st: os.stat_result, mounted: _Mounted) -> StatInfo:
         # A read-only mount shows no write permission, so os.access and friends tell the truth.
-        mode = stat.S_IMODE(st.st_mode) & (0o7777 if mounted.writable else ~0o222)
+        mode = mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))
+        mode &= 0o7777 if mounted.writable else ~0o222
         return StatInfo(kind=_kind(st.st_mode), mode=mode, size=st.st_size,
                         ino=st.st_ino, dev=mounted.dev, nlink=st.st_nlink, atime=st.st_atime_ns,
                         mtime=st.st_mtime_ns, ctime=st.st_ctime_ns)
@@ -719,10 +723,12 @@ class FileSession:
         mounted, rel, _ = self._mutable(path)
         if not rel:
             raise FilesError("exist")
+        _check_mode(mode)
         self._charge_file(mounted, rel)
         parent = self._parent(mounted, rel)
         try:
-            os.mkdir(rel[-1], (mode & 0o777) | 0o700, dir_fd=parent)
+            os.mkdir(rel[-1], mode | 0o700, dir_fd=parent)
+            _remember_mode(mounted, os.stat(rel[-1], dir_fd=parent, follow_symlinks=False), mode)
         except OSError as exc:
             raise _from_os(exc) from None
         finally:
@@ -800,9 +806,13 @@ class FileSession:
 
     def chmod(self, path: str, mode: int) -> None:
         mounted, rel, _ = self._mutable(path)
-        # The host must still be able to read and publish what the guest made.
-        self._with_own_inode(mounted, rel, lambda fd, st: os.chmod(
-            fd, (mode & 0o777) | (0o700 if stat.S_ISDIR(st.st_mode) else 0o600)))
+
+        def change(fd: int, st: os.stat_result) -> None:
+            _check_mode(mode)
+            os.chmod(fd, mode | _owner_bits(st))
+            mounted.modes[st.st_ino] = mode
+
+        self._with_own_inode(mounted, rel, change)
 
     def utime(self, path: str, atime: int, mtime: int, now: bool) -> None:
         mounted, rel, _ = self._mutable(path)
@@ -959,6 +969,7 @@ class FileSession:
             raise FilesError("nxio")
         if existing is None:
             mounted.used_files += 1
+            _remember_mode(mounted, st, mode & 0o777)
         elif os_flags & os.O_TRUNC:
             mounted.used_bytes -= existing.st_size
         return self._add(_Handle(fd, mounted, readable, writable, bool(flags & F_APPEND),
@@ -1146,7 +1157,8 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[
             if baseline is not None and baseline[0] == "directory":
                 seen.add(path)
             else:
-                dirs.append({"path": list(path), "mode": stat.S_IMODE(st.st_mode)})
+                dirs.append({"path": list(path),
+                             "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
             child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
             try:
                 _plan(mounted, child, path, seen, puts, dirs, inodes, refused)
@@ -1171,7 +1183,8 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], seen: set[tuple[
             finally:
                 os.close(fd)
             puts.append({"path": list(path), "size": size, "sha256": digest.hexdigest(),
-                         "ino": st.st_ino})
+                         "ino": st.st_ino,
+                         "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
         else:
             refused.append(RefusedFile(path="/".join(path), reason=_refusal(st.st_mode)))
 
@@ -1202,6 +1215,48 @@ def _read_journal(run_fd: int) -> dict[str, Any] | None:
     finally:
         os.close(fd)
     return journal
+
+
+def _check_mode(mode: int) -> None:
+    """Refuse (``EPERM``) set-id and sticky bits, which the host never grants, rather than
+    drop them silently."""
+    if mode & ~0o777:
+        raise FilesError("perm")
+
+
+def _owner_bits(st: os.stat_result) -> int:
+    """What the disk keeps for the owner whatever the guest asks: the host must still read,
+    list and publish what the guest made."""
+    return 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+
+
+def _remember_mode(mounted: _Mounted, st: os.stat_result, requested: int) -> None:
+    """After a create: the mode the guest sees is the disk's (its umask applied) with the
+    owner bits it asked for, which the disk may not have."""
+    owner = _owner_bits(st)
+    mode = (stat.S_IMODE(st.st_mode) & ~owner) | (requested & owner)
+    if mode == stat.S_IMODE(st.st_mode):
+        mounted.modes.pop(st.st_ino, None)  # a reused inode: nothing left from its old file
+    else:
+        mounted.modes[st.st_ino] = mode
+
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _set_mode(parent_fd: int, name: str, mode: int, flags: int) -> None:
+    """chmod ``name`` in ``parent_fd`` without following a link; a failure is left alone
+    (the content is what a publish guarantees; the mode is kept where the host allows)."""
+    try:
+        fd = os.open(name, flags, dir_fd=parent_fd)
+    except OSError:
+        return
+    try:
+        os.chmod(fd, mode & 0o777)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _Blocked(Exception):
@@ -1271,6 +1326,8 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
                     st = os.stat(parts[-1], dir_fd=source, follow_symlinks=False)
                     if not stat.S_ISREG(st.st_mode) or st.st_ino != item["ino"]:
                         continue  # already moved (a reclaim), or changed after planning
+                    if "mode" in item:  # the mode the guest saw, set before the file appears
+                        _set_mode(source, parts[-1], item["mode"], _FILE_FLAGS)
                     os.rename(parts[-1], parts[-1], src_dir_fd=source, dst_dir_fd=target)
                     moved.add(tuple(parts))
                 except FileNotFoundError:
@@ -1283,6 +1340,15 @@ def _apply(journal: dict[str, Any], run_fd: int, host_fd: int,
                 os.close(source)
     finally:
         os.close(tree_fd)
+    for item in journal["dirs"]:  # last, so files could still be moved into them
+        try:
+            parent = _walk_host(host_fd, item["path"][:-1], create=False)
+        except _Blocked:
+            continue
+        try:
+            _set_mode(parent, item["path"][-1], item["mode"], _DIR_FLAGS)
+        finally:
+            os.close(parent)
     for item in journal["deletes"]:
         parts = item["path"]
         try:

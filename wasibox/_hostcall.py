@@ -2,11 +2,14 @@
 
 **Threat.** Host functions run in the host process, with its privileges, on input the guest
 chose. The guest controls the function name, every payload byte, how often it calls and how
-much it sends. This module makes sure that it can call only what was granted, cannot crash or
-exhaust the host with huge, deeply nested or malformed payloads (each is checked by hand,
-from its declared lengths, *before* msgpack decodes it), cannot outlive the run's deadline by
-making a host function block, and learns nothing about the host from a failure: no host
-traceback, no host paths, one uniform message for every denial.
+much it sends. This module makes sure that it can call only what was granted (a call to any
+other name is refused from its name alone, before its payload is looked at), cannot crash or
+exhaust the host with huge, deeply nested or malformed payloads (each is sized, then walked
+from its declared lengths and counts by ``wasibox._wire.unpack``, *before* msgpack decodes
+it, so decoding it costs at most ``max_elements(memory_bytes)`` elements), cannot outlive the
+run's deadline by making a host function block or by calling after it, and learns nothing
+about the host from a failure: no host traceback, no host paths, one uniform message for
+every denial.
 
 It is backend-agnostic: a backend hands each call from its guest to ``HostCalls.handle`` and
 turns ``StopRun`` into the end of the run. The built-in HTTP client (``wasibox/_http.py``) is
@@ -29,10 +32,10 @@ import msgpack
 from ._errors import UsageError
 from ._events import CapabilityEvent
 from ._limits import Limit, Limits
-from ._wire import MAX_DEPTH, ProtocolError
+from ._wire import ProtocolError, max_elements, unpack
 
 __all__ = ["DENIED_MESSAGE", "HTTP_FUNCTION", "CallRefused", "HostCalls", "HostReply", "StopRun",
-           "check_functions", "check_payload", "host_error_message"]
+           "check_functions", "host_error_message"]
 
 #: What the guest is told for every refusal, whatever the reason, so a refusal never says
 #: whether a function or a host exists.
@@ -102,74 +105,6 @@ def check_functions(functions: Mapping[str, Callable[..., Any]] | None
             raise UsageError(f"host function {name!r} is not callable")
         checked[name] = function
     return checked
-
-
-def check_payload(data: bytes, max_depth: int = MAX_DEPTH) -> None:
-    """Check that ``data`` is exactly one msgpack value, nested at most ``max_depth`` deep.
-
-    Walks the encoding without building any value: every declared length (of a string, a
-    binary, an array, a map) is checked against the bytes that remain before anything is
-    read, so a payload cannot make the host allocate more than its own size. Extension types
-    are refused. Raises ProtocolError.
-    """
-    size = len(data)
-    position = 0
-    pending = [1]  # values still expected at each open nesting level
-    while pending:
-        if pending[-1] == 0:
-            pending.pop()
-            continue
-        pending[-1] -= 1
-        if position >= size:
-            raise ProtocolError("the payload ends in the middle of a value")
-        byte = data[position]
-        count = -1  # a container's element count, when the value is one
-        if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):
-            position += 1
-        elif byte <= 0x8F:
-            count, position = 2 * (byte & 0x0F), position + 1
-        elif byte <= 0x9F:
-            count, position = byte & 0x0F, position + 1
-        elif byte <= 0xBF:
-            position += 1 + (byte & 0x1F)
-        elif byte in _FIXED:
-            position += 1 + _FIXED[byte]
-        elif byte in _SIZED:
-            width = _SIZED[byte]
-            length = int.from_bytes(data[position + 1:position + 1 + width], "big")
-            if position + 1 + width > size or length > size:
-                raise ProtocolError("a string in the payload is longer than the payload")
-            position += 1 + width + length
-        elif byte in _CONTAINERS:
-            width, pairs = _CONTAINERS[byte]
-            if position + 1 + width > size:
-                raise ProtocolError("the payload ends in the middle of a value")
-            count = int.from_bytes(data[position + 1:position + 1 + width], "big") * pairs
-            position += 1 + width
-        else:
-            raise ProtocolError(f"the payload uses msgpack type 0x{byte:02x}, which is not "
-                                "accepted (extension types and 0xc1 are refused)")
-        if position > size:
-            raise ProtocolError("the payload ends in the middle of a value")
-        if count >= 0:
-            # Every element takes at least one byte: a count larger than what is left is a lie.
-            if count > size - position:
-                raise ProtocolError("a container in the payload declares more elements than "
-                                    "the payload holds")
-            pending.append(count)
-            if len(pending) - 1 > max_depth:
-                raise ProtocolError(f"the payload nests deeper than {max_depth} levels")
-    if position != size:
-        raise ProtocolError("the payload has bytes after its value")
-
-
-# msgpack type byte -> bytes that follow it (floats, ints).
-_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
-          0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
-# msgpack type byte -> width of the length that follows (str8/16/32, bin8/16/32).
-_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
-# msgpack type byte -> (width of the count, values per counted element): arrays and maps.
-_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
 def host_error_message(exc: BaseException) -> str:
@@ -266,10 +201,17 @@ class HostCalls:
         Returns the reply for the guest (``err`` for a refusal, a malformed payload or a
         failing host function). Raises StopRun when the call breaks a limit: too many calls,
         a payload or reply over ``host_call_bytes``, or over ``host_total_bytes`` in total
-        (``Limit.HOST_CALLS``), or the run's deadline passed or the run was cancelled while
-        the host function ran (``Limit.TIMEOUT``).
+        (``Limit.HOST_CALLS``), or the run's deadline passed or the run was cancelled before
+        or while the host function ran (``Limit.TIMEOUT``).
+
+        The work a call costs the host before it is refused is bounded by the call, not by
+        its payload: the limits and the name are checked first (a name that was never
+        granted costs O(1) whatever its payload), then the payload is walked within its
+        element cap before it is decoded.
         """
         limits = self._limits
+        if self._cancel.is_set() or time.monotonic() >= deadline:
+            raise StopRun(Limit.TIMEOUT)
         self.calls += 1
         if self.calls > limits.host_calls:
             raise StopRun(Limit.HOST_CALLS)
@@ -280,11 +222,11 @@ class HostCalls:
         capability, action, logged = ("http", "request", name) if is_http else (
             "function", "call", name)
         try:
-            args, kwargs = self._decode(payload)
+            target = self._resolve(name)
+            args, kwargs = self._decode(payload, max_elements(limits.memory_bytes))
             if is_http:  # logged by method and URL, as the HTTP gate logs them
                 action = str(kwargs.get("method"))[:16]
                 logged = str(kwargs.get("url"))
-            target = self._resolve(name)
             if is_http:
                 value = self._run(lambda: self._http_call(args, kwargs, deadline), deadline,
                                   name)
@@ -335,12 +277,10 @@ class HostCalls:
         return function
 
     @staticmethod
-    def _decode(payload: str) -> tuple[list[Any], dict[str, Any]]:
+    def _decode(payload: str, elements: int) -> tuple[list[Any], dict[str, Any]]:
         try:
-            data = payload.encode("latin-1")
-            check_payload(data)
-            decoded = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except (UnicodeError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            decoded, _ = unpack(payload.encode("latin-1"), "the payload", elements)
+        except (UnicodeError, ProtocolError) as exc:
             reason = str(exc) if isinstance(exc, ProtocolError) else type(exc).__name__
             raise CallRefused("invalid", "ProtocolError", "the call's payload is malformed",
                            f"malformed payload: {reason}") from None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._events import CapabilityEvent
 from ._limits import Limit
-from ._wire import ProtocolError, decode_reply
+from ._wire import ProtocolError, decode_reply, max_elements
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -227,7 +227,8 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
     memory_peak = outcome.memory_peak_bytes
     if outcome.reply is not None and limit is None:
         try:
-            reply = decode_reply(outcome.reply, reply_limit)
+            reply = decode_reply(outcome.reply, reply_limit,
+                                 max_elements(outcome.memory_limit_bytes))
         except ProtocolError as exc:
             error = GuestException(type="ProtocolError", message=str(exc), traceback="")
             exit_code = 1

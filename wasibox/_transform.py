@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from ._batch import decode_batch_reply, encode_records
+from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import GuestError, LimitExceeded, UsageError
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
@@ -363,7 +363,9 @@ class Transform:
         if not problem:
             assert outcome.reply is not None
             try:
-                reply = decode_batch_reply(outcome.reply, len(batch), BATCH_REPLY_LIMIT)
+                reply = decode_batch_reply(
+                    outcome.reply, len(batch), BATCH_REPLY_LIMIT,
+                    batch_elements(self._sandbox.limits.memory_bytes, len(batch)))
             except ProtocolError as exc:
                 if len(batch) == 1:
                     failure = GuestException(type="ProtocolError", message=str(exc),

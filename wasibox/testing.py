@@ -34,7 +34,7 @@ from typing import Any, Literal
 import hypothesis
 from hypothesis import strategies as st
 
-from ._batch import decode_batch_reply, encode_records
+from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
 from ._limits import Limits
 from ._result import GuestException, RunResult, build_result
@@ -144,7 +144,8 @@ class GuestFunction:
         if outcome.reply is None or base.limit_exceeded is not None:
             return base
         try:
-            reply = decode_batch_reply(outcome.reply, 1, BATCH_REPLY_LIMIT)
+            reply = decode_batch_reply(outcome.reply, 1, BATCH_REPLY_LIMIT, batch_elements(
+                self._sandbox.limits.memory_bytes, 1))
         except ProtocolError as exc:
             error: GuestException | None = GuestException(type="ProtocolError",
                                                           message=str(exc), traceback="")

@@ -91,6 +91,11 @@ OUTPUT_CHUNK = 1 << 16
 RNDRESEEDCRNG = 0x5207
 _SOURCE_NAME = "<sandbox>"
 _AGENT_FILE = __file__
+#: The file name of the agent's frames that sit under the job while it runs (see
+#: _hide_from_warnings): "importlib" and "_bootstrap" in it make the warnings machinery pass
+#: over them, as it passes over the import system's own frames.
+_INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
+_RUNNER_FILES = frozenset({_AGENT_FILE, _INTERNAL_FILE})
 _BUILTINS = dict(vars(builtins))
 
 
@@ -151,7 +156,7 @@ class Channel:
 def _describe(exc):
     """The guest-visible description of an exception, without this agent's frames."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == _AGENT_FILE:
+    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
         tb = tb.tb_next
     exc = exc.with_traceback(tb)
     try:
@@ -183,10 +188,17 @@ def _encode(exit_code, error, value, memory_error):
 
 
 def _exit_status(code):
+    """The exit status a Linux parent sees when CPython ends with ``SystemExit(code)``.
+
+    None is 0. An int is converted to a C long long and truncated to int (-1 if it does not
+    fit a long long), and the kernel keeps the low 8 bits. Anything else is printed to stderr
+    and is 1.
+    """
     if code is None:
         return 0
     if isinstance(code, int):
-        return code & 0xFF
+        code = int.__index__(code)  # its value, whatever an int subclass overrides
+        return code & 0xFF if -2**63 <= code < 2**63 else 255
     try:
         print(code, file=sys.stderr)
         sys.stderr.flush()
@@ -199,6 +211,7 @@ def execute(job):
     """Run one job (the wasm runner's request) and return the encoded reply."""
     seed = job.get("seed")
     random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
+    sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
     numpy_module = sys.modules.get("numpy")
     if numpy_module is not None:
         # numpy's global generator was seeded when the template imported it: every run would
@@ -628,6 +641,19 @@ def main():
     while True:  # the host stops the VM; PID 1 must not exit
         signal.pause()
 
+
+def _hide_from_warnings(*functions):
+    """Give these functions' frames the agent's internal file name.
+
+    A warning whose ``stacklevel`` reaches past the job (``warnings.warn(..., stacklevel=2)``
+    at its top level) is then reported as a native CPython reports it, at ``sys:1``, instead
+    of at a line of this file.
+    """
+    for function in functions:
+        function.__code__ = function.__code__.replace(co_filename=_INTERNAL_FILE)
+
+
+_hide_from_warnings(main, serve, _child, execute)
 
 if __name__ == "__main__":
     main()

@@ -62,7 +62,11 @@ def _call(function, *args, filename=None, filename2=None):
     try:
         return function(*args)
     except Err as exc:
-        raise _error(exc.value, filename, filename2) from None
+        code = exc.value
+    # Raised outside the except block: the binding's Err (a frozen dataclass) must not become
+    # the OSError's __context__, where unittest, cleaning tracebacks, would try to assign
+    # its __traceback__ and fail.
+    raise _error(code, filename, filename2)
 
 
 def _path(path):

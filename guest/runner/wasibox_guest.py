@@ -98,8 +98,9 @@ UNAVAILABLE = frozenset({
 })
 
 
-def _pack_tree(root, prefix, skip):
-    """Compile every module under ``root`` into ``{name: (is_package, marshalled code)}``."""
+def _pack_tree(root, prefix, skip, display_root="<stdlib>"):
+    """Compile every module under ``root`` into ``{name: (is_package, marshalled code,
+    file name)}``; the file name, under ``display_root``, is the module's ``__file__``."""
     table = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip and "-" not in d and "." not in d)
@@ -116,12 +117,12 @@ def _pack_tree(root, prefix, skip):
             path = os.path.join(dirpath, filename)
             with open(path, "rb") as handle:
                 source = handle.read()
-            display = "<stdlib>/" + os.path.relpath(path, root)
+            display = display_root + "/" + os.path.relpath(path, root)
             try:
                 code = compile(source, display, "exec", dont_inherit=True)
             except SyntaxError:
                 continue
-            table[name] = (is_package, marshal.dumps(code))
+            table[name] = (is_package, marshal.dumps(code), display)
     return table
 
 
@@ -148,7 +149,7 @@ for _entry in sys.path:
     # Bundled pure-Python data packages (tzdata, so zoneinfo has a time zone database).
     _tz = os.path.join(_entry, "tzdata")
     if _entry != _STDLIB_ROOT and os.path.isdir(_tz):
-        _MODULES.update(_pack_tree(_tz, "tzdata", frozenset({"__pycache__"})))
+        _MODULES.update(_pack_tree(_tz, "tzdata", frozenset({"__pycache__"}), "<stdlib>/tzdata"))
         _RESOURCES.update(_pack_resources(_tz, "tzdata"))
         break
 
@@ -204,8 +205,14 @@ class _ResourceReader:
         return _Resource(self._package, self._package.rpartition(".")[2], None)
 
 
-class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports stdlib modules from the code objects packed into the snapshot."""
+class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Imports stdlib modules from the code objects packed into the snapshot.
+
+    A module gets a ``__file__`` (its packed name, ``<stdlib>/...``), as stdlib code such as
+    ``_strptime`` expects. Loading goes through InspectLoader's ``exec_module``, which is
+    importlib's own: no frame of this file sits between a module and its importer, so a
+    warning a module raises at import time (``stacklevel=2``) names the importing line.
+    """
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in UNAVAILABLE or fullname.partition(".")[0] in UNAVAILABLE:
@@ -217,17 +224,22 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         entry = _MODULES.get(fullname)
         if entry is None:
             return None
-        spec = importlib.machinery.ModuleSpec(fullname, self, origin="<stdlib>", is_package=entry[0])
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=entry[2],
+                                              is_package=entry[0])
+        spec.has_location = True  # so the import system sets __file__ from the origin
         return spec
 
     def create_module(self, spec):
         return None
 
-    def exec_module(self, module):
-        is_package, code = _MODULES[module.__name__]
-        if is_package:
-            module.__path__ = []
-        exec(marshal.loads(code), module.__dict__)
+    def get_code(self, fullname):
+        return marshal.loads(_MODULES[fullname][1])
+
+    def get_source(self, fullname):
+        return None  # only the compiled code is packed
+
+    def is_package(self, fullname):
+        return _MODULES[fullname][0]
 
     def get_resource_reader(self, fullname):
         return _ResourceReader(fullname)
@@ -295,16 +307,25 @@ def _select(rlist, wlist, xlist, timeout=None):
 
 
 def _urandom(size):
-    """os.urandom, served by the host's entropy capability (seeded unless granted real)."""
-    size = size.__index__()
+    """os.urandom, served by the host's entropy capability (seeded unless granted real).
+
+    Fails fast as CPython's does: OverflowError past a C ssize_t, MemoryError when the
+    result cannot be allocated, before a single byte is asked of the host.
+    """
+    size = operator.index(size)
     if size < 0:
         raise ValueError("negative argument not allowed")
-    chunks = []
-    while size > 0:
-        step = min(size, 1 << 20)
-        chunks.append(_entropy.random_bytes(step).encode("latin-1"))
-        size -= step
-    return b"".join(chunks)
+    if size > sys.maxsize:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    buffer = bytearray(size)  # MemoryError now, not after minutes of 1 MiB host calls
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        step = min(size - done, 1 << 20)
+        view[done:done + step] = _entropy.random_bytes(step).encode("latin-1")
+        done += step
+    view.release()
+    return bytes(buffer)
 
 
 _random_seed = random.Random.seed
@@ -318,8 +339,15 @@ def _seed(self, a=None, version=2):
 
 
 def _exit(status):
-    """os._exit: end the run at once with this status, without cleanup (as on a real OS)."""
-    _process.exit(int(status) & 0xFF)
+    """os._exit: end the run at once with this status, without cleanup (as on a real OS).
+
+    The status converts as CPython's does (a C int: TypeError for a float, OverflowError
+    past 32 bits); a Linux parent then sees its low 8 bits.
+    """
+    status = operator.index(status)
+    if not -2**31 <= status < 2**31:
+        raise OverflowError("Python int too large to convert to C int")
+    _process.exit(int.__and__(status, 0xFF))
 
 
 time.sleep = _sleep
@@ -360,14 +388,44 @@ def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
     namespace.clear()
     namespace.update(pristine)
 _RUNNER_FILE = __file__
+#: The file name of the runner's frames that sit under the program while it runs (see
+#: _hide_from_warnings): "importlib" and "_bootstrap" in it make the warnings machinery pass
+#: over them, as it passes over the import system's own frames.
+_INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
+_RUNNER_FILES = frozenset({_RUNNER_FILE, _INTERNAL_FILE})
+
+
+#: Frames of these files stand in for what natively is C (os.urandom, open, os.stat, ...),
+#: so tracebacks leave them out, as a native CPython's have no frame there.
+_HIDDEN_FILES = _RUNNER_FILES | {wasibox_files.__file__}
+
+
+def _hide_frames(exc):
+    """Unlink the frames of ``_HIDDEN_FILES`` from the tracebacks of ``exc`` and its chain."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        kept = []
+        tb = current.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in _HIDDEN_FILES:
+                kept.append(tb)
+            tb = tb.tb_next
+        for frame, following in zip(kept, kept[1:] + [None]):
+            frame.tb_next = following
+        current.__traceback__ = kept[0] if kept else None
+        pending += [current.__cause__, current.__context__]
 
 
 def _describe(exc):
     """The guest-visible description of an exception, without this runner's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == _RUNNER_FILE:
-        tb = tb.tb_next
-    exc = exc.with_traceback(tb)
+    try:
+        _hide_frames(exc)
+    except BaseException:  # a hostile exception (a __traceback__ property, ...): as it is
+        pass
     try:
         text = "".join(traceback.format_exception(exc))
     except BaseException:  # a hostile __str__ or __repr__ must not take the runner down
@@ -422,6 +480,7 @@ def _execute(request, streams):
     job = marshal.loads(binascii.a2b_base64(request))
     stdout, stderr = streams
     sys.stdout, sys.stderr = stdout, stderr
+    sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
     seed = job.get("seed")
     if seed != _SNAPSHOT_SEED:
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
@@ -615,6 +674,20 @@ def _star(function, arguments):
     return function(*arguments)
 
 
+def _hide_from_warnings(*functions):
+    """Give these functions' frames the runner's internal file name.
+
+    A warning whose ``stacklevel`` reaches past the program (``warnings.warn(...,
+    stacklevel=2)`` at its top level) is then reported as a native CPython reports it, at
+    ``sys:1``, instead of at a line of this file.
+    """
+    for function in functions:
+        function.__code__ = function.__code__.replace(co_filename=_INTERNAL_FILE)
+
+
+_hide_from_warnings(WitWorld.execute, _execute, _execute_batch, _star)
+
+
 def _encode_values(values, errors):
     """JSON for the batch's values and raw column blobs; adds records that cannot cross to
     ``errors``."""
@@ -704,10 +777,17 @@ def _columns(ok):
 
 
 def _exit_status(code):
+    """The exit status a Linux parent sees when CPython ends with ``SystemExit(code)``.
+
+    None is 0. An int is converted to a C long long and truncated to int (-1 if it does not
+    fit a long long), and the kernel keeps the low 8 bits. Anything else is printed to stderr
+    and is 1.
+    """
     if code is None:
         return 0
     if isinstance(code, int):
-        return code & 0xFF
+        code = int.__index__(code)  # its value, whatever an int subclass overrides
+        return code & 0xFF if -2**63 <= code < 2**63 else 255
     try:
         print(code, file=sys.stderr)
         sys.stderr.flush()

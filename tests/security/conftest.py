@@ -121,21 +121,26 @@ def host(request: pytest.FixtureRequest) -> Iterator[HostBaseline]:
 
 
 _CHILD_HOST = """
-import json, resource, sys, wasibox
+import json, resource, sys, time, wasibox
 limits = wasibox.Limits(**json.loads(sys.argv[1]))
 with wasibox.Sandbox(limits) as sandbox:
     assert sandbox.run("print(1)").ok
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
     result = sandbox.run(sys.argv[2])
+    wall = time.monotonic() - started
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     after = sandbox.run("print(6 * 7)")
 print(json.dumps({"peak_growth_bytes": grown * 1024, "limit": result.limit_exceeded,
-                  "error": result.error and result.error.type, "next_ok": after.ok}))
+                  "error": result.error and result.error.type, "next_ok": after.ok,
+                  "wall_s": wall, "value_length": len(result.value or ()),
+                  "log": [[e.target, e.allowed] for e in result.capability_log]}))
 """
 
 
 def run_in_child_host(code: str, **limits: object) -> dict[str, object]:
-    """Run ``code`` in a fresh host process; report how far the host's peak RSS grew.
+    """Run ``code`` in a fresh host process; report how far the host's peak RSS grew, how
+    long ``Sandbox.run`` took (the reply's decoding included), and what the run returned.
 
     A process of its own, because peak RSS only ever rises: measured in the test process,
     an earlier test's peak would hide this one's.

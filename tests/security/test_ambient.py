@@ -105,7 +105,8 @@ def test_the_guest_sees_no_environment_arguments_or_host_directory(
     r = sb.call("import os, sys\ndef f():\n    try:\n        cwd = os.getcwd()\n"
                 "    except OSError:\n        cwd = None\n"
                 "    return [dict(os.environ), sys.argv, sys.orig_argv, sys.path, cwd]", "f")
-    assert r == [{}, [], [], [], "/"]
+    # argv is [''], as for `python -c` (argparse needs argv[0]); nothing of the host's.
+    assert r == [{}, [""], [], [], "/"]
     host.assert_unaffected(sb)
 
 

@@ -105,3 +105,27 @@ def test_an_oversized_payload_costs_the_host_a_bounded_multiple_of_it() -> None:
     report = run_in_child_host(code, memory_bytes="128MiB", host_call_bytes="1MiB")
     assert report["limit"] == "host_calls" and report["next_ok"]
     assert report["peak_growth_bytes"] < 8 * size  # type: ignore[operator]
+
+
+#: A 4 MiB payload that claims 2**32 - 1 elements and holds millions of empty lists.
+_HOSTILE_PAYLOAD = "'\\x92\\xdd\\xff\\xff\\xff\\xff' + '\\x90' * (4 * 2**20 - 6)"
+
+
+@pytest.mark.parametrize("payload, limits", [
+    (_HOSTILE_PAYLOAD, {}),  # ends at host_total_bytes (64 calls) or the deadline
+    ("'\\x92\\x90\\x80'", {"host_calls": 10**8}),  # ends at the deadline
+], ids=["4 MiB hostile payloads", "millions of small calls"])
+def test_a_call_flood_to_a_name_never_granted_ends_in_time_and_bounded(
+        payload: str, limits: dict[str, object]) -> None:
+    code = RAW_CHANNEL + f"payload = {payload}\nwhile True:\n    send('not_granted', payload)\n"
+    report = run_in_child_host(code, timeout_s=1, fuel=10**12, memory_bytes="128MiB",
+                               **limits)
+    assert report["limit"] in ("host_calls", "timeout") and report["next_ok"], report
+    assert report["wall_s"] < 4 * 1  # type: ignore[operator]  # generous: not 4x the timeout
+    # Every call that reached the host before the deadline was refused by its name.
+    log = report["log"]
+    assert isinstance(log, list) and all(
+        target == "not_granted" and not allowed for target, allowed in log)
+    # The guest's own memory, and each payload lifted out of it (a few transient copies):
+    # never decoded, which would have cost a quarter of a gigabyte per call.
+    assert report["peak_growth_bytes"] < (128 + 8 * 4) * 2**20  # type: ignore[operator]

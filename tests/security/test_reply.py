@@ -99,3 +99,59 @@ def test_a_json_bomb_reply_cannot_crash_a_host_with_a_raised_recursion_limit() -
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["ProtocolError", "ProtocolError"]
+
+
+def _forged_value(prefix: bytes, unit: bytes, count: int) -> str:
+    """Guest code that forges a well-formed reply whose value is the msgpack bytes
+    ``prefix + unit * count``, base64-encoded by repeating the encoding of three units (so
+    that tens of millions of elements cost the guest a few memory copies, not its fuel)."""
+    assert len(unit) % 3 or not len(prefix) % 3
+    return ("import sys, binascii\n"
+            "def b64(data):\n"
+            "    return binascii.b2a_base64(data, newline=False).decode()\n"
+            f"prefix, unit, count = {prefix!r}, {unit!r}, {count}\n"
+            "r = next(r for r in range(3) if (len(prefix) + r * len(unit)) % 3 == 0)\n"
+            "m, rest = divmod(count - r, 3)\n"
+            "value = b64(prefix + unit * r) + b64(unit * 3) * m + b64(unit * rest)\n"
+            "reply = ('{\"exit_code\":0,\"memory_error\":false,\"heap_top\":0,\"value\":\"'\n"
+            "         + value + '\"}')\n"
+            "del value\n"
+            "sys.modules['wasibox_guest']._encode = lambda *fields: reply\n")
+
+
+def _array32(count: int) -> bytes:
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+#: Values of tens of millions of elements, the class that cost hosts 0.8 to 3.4 GB and up
+#: to 98 s after the run ended: (prefix, repeated unit, repeats). Each is within the reply's
+#: byte cap.
+HUGE_VALUES = {
+    "32 Mi empty lists": (_array32(2**25), b"\x90", 2**25),
+    "an array claiming 2**32 - 1 nils": (_array32(2**32 - 1), b"\xc0", 2**25),
+    "8 Mi one-pair maps": (_array32(2**23), b"\x81\xa1k\x90", 2**23),
+    "one map of 8 Mi pairs with one key": (b"\xdf" + (2**23).to_bytes(4, "big"),
+                                           b"\xa2kk\x90", 2**23),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUGE_VALUES))
+def test_a_forged_value_of_tens_of_millions_of_elements_is_refused_within_the_deadline(
+        name: str) -> None:
+    report = run_in_child_host(_forged_value(*HUGE_VALUES[name]), timeout_s=1)
+    assert report["error"] == "ProtocolError" and report["next_ok"], report
+    assert report["wall_s"] < 4 * 1  # type: ignore[operator]  # generous: not 4x the timeout
+    # Lifting the reply out of the guest costs a few copies of it (at most ~64 MiB here);
+    # decoding it would have cost gigabytes, and does not happen.
+    assert report["peak_growth_bytes"] < 8 * 64 * 2**20  # type: ignore[operator]
+
+
+def test_a_forged_value_at_the_element_cap_costs_a_bounded_amount_and_arrives() -> None:
+    cap = wasibox._wire.max_elements(wasibox.Limits().memory_bytes)
+    maps = (cap - 1) // 4  # one array of one-pair maps: the dearest elements for the host
+    report = run_in_child_host(_forged_value(_array32(maps), b"\x81\xa1k\x90", maps),
+                               timeout_s=10)
+    assert report["error"] is None and report["value_length"] == maps, report
+    reply_bytes = 4 * (5 + 4 * maps) // 3
+    # The documented bound: ~100 bytes per element, on top of lifting the reply.
+    assert report["peak_growth_bytes"] < 8 * reply_bytes + 100 * cap  # type: ignore[operator]

@@ -86,6 +86,7 @@ from .._progress import Reporter, heartbeat, stderr_reporter
 from .._result import GuestException, Outcome
 from .._vm_files import CopyIn, CopyOut, QuotaExceeded
 from .._vm_image import ImageConfig, VMImage, ensure_image, image_modules
+from .._wire import unpack
 from .base import Backend, Job
 
 __all__ = ["ALLOW_EMULATION_ENV", "FUEL_PER_CPU_SECOND", "MIN_MEMORY_BYTES", "Engine",
@@ -102,6 +103,11 @@ MIN_MEMORY_BYTES = 192 * 2**20
 CONSOLE_RING_BYTES = 64 * 2**10
 #: Largest frame accepted from the guest: the reply limit, base64-encoded, plus framing.
 MAX_FRAME_BYTES = 90 * 2**20
+#: Most elements one frame from the guest may decode to: a files frame of 1024 entries of at
+#: most 5 items each, with room to spare. Checked before the frame is decoded.
+MAX_FRAME_ELEMENTS = 8192
+#: Deepest nesting of a frame: a files frame's map, its entries, an entry.
+MAX_FRAME_DEPTH = 3
 PROBE_TIMEOUT_S = 20.0
 TEMPLATE_TIMEOUT_S = 600.0
 ALLOW_EMULATION_ENV = "WASIBOX_ALLOW_EMULATION"
@@ -152,7 +158,9 @@ class Channel:
         return True
 
     def frames(self) -> Iterator[dict[str, Any]]:
-        """Decode every complete frame in the buffer; raises ProtocolError-like ValueError."""
+        """Decode every complete frame in the buffer; raises ValueError (ProtocolError for
+        a frame that is not plain msgpack within ``MAX_FRAME_ELEMENTS`` and
+        ``MAX_FRAME_DEPTH``)."""
         while len(self._buffer) >= 4:
             (size,) = struct.unpack(">I", self._buffer[:4])
             if size > MAX_FRAME_BYTES:
@@ -162,8 +170,8 @@ class Channel:
                 return
             raw = bytes(self._buffer[4:4 + size])
             del self._buffer[:4 + size]
-            message = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=size,
-                                      max_str_len=size, max_array_len=1024, max_map_len=64)
+            message, _ = unpack(raw, "a frame from the guest", MAX_FRAME_ELEMENTS,
+                                MAX_FRAME_DEPTH)
             if not isinstance(message, dict):
                 raise ValueError("a frame from the guest is not a map")
             yield message
