@@ -9,15 +9,24 @@ For a trivial guest function (``def inc(x: int) -> int: return x + 1``), prints:
 4. for reference, ``Sandbox.call`` per call;
 
 then the fuel ratio ``fuzz`` reaches on a planted quadratic function, with and without fuel
-targeting. Medians where repeated; all in this one process. Nothing is asserted.
+targeting. Medians where repeated. Nothing is asserted.
 
-    python bench/fuzz.py [--examples 300]
+Each figure is measured for three configurations, each in its own child process (the run
+path and slot reuse are chosen per process): *baseline* (the Python run path, Wasmtime's
+default allocator: before issue 17), *python* (with memory-slot reuse) and *native* (the C
+run path with slot reuse, if it is built here); a table compares them at the end.
+
+    python bench/fuzz.py [--examples 300] [--config baseline|python|native]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import hypothesis
@@ -42,6 +51,12 @@ def nesting(s: str) -> int:
     return deepest
 """
 TARGET_PER_S = 300.0
+#: The environment of each configuration's child process.
+CONFIGS = {
+    "baseline": {"WASIBOX_RUN_PATH": "python", "WASIBOX_SLOT_REUSE": "0"},
+    "python": {"WASIBOX_RUN_PATH": "python", "WASIBOX_SLOT_REUSE": "1"},
+    "native": {"WASIBOX_RUN_PATH": "native", "WASIBOX_SLOT_REUSE": "1"},
+}
 
 
 def rate(label: str, count: int, elapsed: float) -> float:
@@ -50,11 +65,8 @@ def rate(label: str, count: int, elapsed: float) -> float:
     return per_s
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=300)
-    args = parser.parse_args()
-    n = args.examples
+def measure(n: int) -> dict[str, float]:
+    """Every figure, in this process's configuration; printed, and returned by name."""
     print(f"fuzz throughput, trivial guest function, guest {wasibox.guest_digest()[:12]}")
     inc = wt.guest_function(TRIVIAL, "inc")
     for i in range(20):
@@ -67,7 +79,7 @@ def main() -> None:
         samples.append(time.perf_counter() - started)
     print(f"  GuestFunction.run median {statistics.median(samples) * 1e3:.2f} ms, fuel "
           f"{inc.run(1).fuel_used:,}")
-    rate("GuestFunction.run, back to back", n, sum(samples))
+    run_rate = rate("GuestFunction.run, back to back", n, sum(samples))
 
     @hypothesis.settings(wt.settings_profiles()["wasibox"], max_examples=n, database=None)
     @given(inc.strategy())
@@ -80,13 +92,14 @@ def main() -> None:
                       time.perf_counter() - started)
 
     report = wt.fuzz(TRIVIAL, "inc", max_examples=n)
-    rate("wt.fuzz (two runs per example, fuel target)", report.examples, report.elapsed_s)
+    fuzz_rate = rate("wt.fuzz (two runs per example, fuel target)", report.examples,
+                     report.elapsed_s)
 
     with wasibox.Sandbox() as sandbox:
         started = time.perf_counter()
         for i in range(n):
             sandbox.call(TRIVIAL, "inc", i)
-        rate("Sandbox.call, for reference", n, time.perf_counter() - started)
+        call_rate = rate("Sandbox.call, for reference", n, time.perf_counter() - started)
 
     print("planted quadratic path (nesting), 100 examples:")
     for target in (True, False):
@@ -94,8 +107,43 @@ def main() -> None:
                         check_determinism=False)
         print(f"  target_fuel={target!s:<5} max/min fuel {found.fuel_ratio:6.1f}x "
               f"(max {found.max_fuel:,}, min {found.min_fuel:,})")
-    print(f"summary: {given_rate:,.0f} examples/s with a fresh sandbox per example "
-          f"(target >= {TARGET_PER_S:.0f}: {'met' if given_rate >= TARGET_PER_S else 'MISSED'})")
+    return {"run": run_rate, "given": given_rate, "fuzz": fuzz_rate, "call": call_rate}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--config", choices=sorted(CONFIGS),
+                        help="measure only this configuration, in this process")
+    args = parser.parse_args()
+    if args.config is not None:
+        os.environ.update(CONFIGS[args.config])
+        print(json.dumps(measure(args.examples)))
+        return
+    results: dict[str, dict[str, float]] = {}
+    for name in CONFIGS:
+        print(f"\n== {name} ==", flush=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--examples", str(args.examples), "--config", name],
+            stdout=subprocess.PIPE, text=True, check=False)
+        lines = child.stdout.strip().splitlines()
+        print("\n".join(lines[:-1]), flush=True)
+        if child.returncode != 0 or not lines:
+            print(f"  {name}: the child failed (exit {child.returncode}); see its stderr")
+            continue
+        results[name] = json.loads(lines[-1])
+    print("\nsummary (per second; fresh sandbox per example):")
+    print(f"  {'':<10} {'run':>8} {'@given':>8} {'fuzz':>8} {'call':>8}")
+    for name, row in results.items():
+        print(f"  {name:<10} {row['run']:>8,.0f} {row['given']:>8,.0f} {row['fuzz']:>8,.0f} "
+              f"{row['call']:>8,.0f}")
+    if results:
+        best = max(results, key=lambda name: results[name]["given"])
+        given_rate = results[best]["given"]
+        baseline = results.get("baseline", {}).get("given", float("nan"))
+        print(f"  {given_rate:,.0f} examples/s on {best} ({given_rate / baseline:.2f}x baseline; "
+              f"target >= {TARGET_PER_S:.0f}: "
+              f"{'met' if given_rate >= TARGET_PER_S else 'MISSED'})")
 
 
 if __name__ == "__main__":

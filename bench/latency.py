@@ -2,6 +2,13 @@
 
 What it measures (everything is printed; nothing is asserted):
 
+0. Run paths side by side: the fresh-instance cycle (make, prime, call, drop: a backend
+   with no pool), its CPU time, and the paced and back-to-back warm-pool latency, for
+   - *baseline*: the Python run path with Wasmtime's default allocator (before issue 17);
+   - *python*: the Python run path with memory-slot reuse;
+   - *native*: the native (C) run path with memory-slot reuse (if it is built here).
+   Rounds are interleaved, so load on the machine hits every configuration alike.
+   Target: a cycle costs at most 3.0 ms of CPU.
 1. Warm runs: ``Sandbox().run("print(1+1)")`` median and p90 over ``--runs`` runs, each in a
    fresh guest instance:
    - *paced*: with the warm instance pool (the default runtime) and ``--gap-ms`` of idle time
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -153,6 +161,62 @@ def checked_run(sandbox: wasibox.Sandbox) -> wasibox.RunResult:
     if not result.ok or result.stdout != EXPECTED:
         sys.exit(f"bench: the sandbox did not print {EXPECTED!r}: {result}")
     return result
+
+
+# -- 0. run paths side by side -------------------------------------------------------------
+
+CYCLE_TARGET_CPU_MS = 3.0
+PATH_ROUNDS = 3
+
+
+def _configurations() -> dict[str, WasmRuntime]:
+    runtimes = {"baseline": WasmRuntime(run_path="python", reuse_slots=False, pool_size=0),
+                "python": WasmRuntime(run_path="python", pool_size=0)}
+    native = WasmRuntime(run_path="auto", pool_size=0)
+    if native.run_path == "native":
+        runtimes["native"] = native
+    else:
+        print(f"  native path unavailable: {native.native.reason}")
+    return runtimes
+
+
+def bench_paths(runs: int, gap_s: float) -> dict[str, dict[str, float]]:
+    section("run paths side by side (interleaved rounds; medians of the rounds)")
+    runtimes = _configurations()
+    cycles = {name: wasibox.Sandbox(backend=WasmBackend(rt)) for name, rt in runtimes.items()}
+    pooled = {name: wasibox.Sandbox(backend=WasmBackend(rt, pool_size=1))
+              for name, rt in runtimes.items()}
+    per_round = max(runs // PATH_ROUNDS, 2)
+    figures: dict[str, dict[str, list[float]]] = {
+        name: {"cycle_ms": [], "cycle_cpu_ms": [], "paced_ms": [], "back_to_back_ms": []}
+        for name in runtimes}
+    for _ in range(PATH_ROUNDS):
+        for name in runtimes:
+            cycle, pool = cycles[name], pooled[name]
+            # This thread's CPU: with no pool, it makes, primes, calls and drops every
+            # instance itself; other threads (other configurations' pool fillers) are not
+            # this cycle's cost.
+            cpu = time.thread_time()
+            samples = sample(functools.partial(checked_run, cycle), per_round)
+            cpu_each = (time.thread_time() - cpu) / (per_round + WARMUP_RUNS)
+            figures[name]["cycle_ms"].append(statistics.median(samples) * 1e3)
+            figures[name]["cycle_cpu_ms"].append(cpu_each * 1e3)
+            paced = sample(functools.partial(checked_run, pool), per_round, gap_s=gap_s)
+            figures[name]["paced_ms"].append(statistics.median(paced) * 1e3)
+            back = sample(functools.partial(checked_run, pool), per_round)
+            figures[name]["back_to_back_ms"].append(statistics.median(back) * 1e3)
+    for sandbox in [*cycles.values(), *pooled.values()]:
+        sandbox.close()
+    medians = {name: {key: statistics.median(values) for key, values in rows.items()}
+               for name, rows in figures.items()}
+    print(f"  {'':<10} {'cycle wall':>12} {'cycle CPU':>12} {'paced':>10} {'back to back':>14}"
+          f"   (ms; CPU: the calling thread's, Sandbox.run included)")
+    for name, row in medians.items():
+        ratio = row["cycle_cpu_ms"] / medians["baseline"]["cycle_cpu_ms"]
+        print(f"  {name:<10} {row['cycle_ms']:>12.2f} {row['cycle_cpu_ms']:>12.2f} "
+              f"{row['paced_ms']:>10.2f} {row['back_to_back_ms']:>14.2f}   "
+              f"CPU {ratio:.2f}x baseline")
+    return medians
 
 
 # -- 1. warm runs --------------------------------------------------------------------------
@@ -336,9 +400,15 @@ def verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def summary(warm: dict[str, Stats], cold: dict[str, Stats], prepare_s: float | None,
+def summary(paths: dict[str, dict[str, float]], warm: dict[str, Stats],
+            cold: dict[str, Stats], prepare_s: float | None,
             eryx: dict[str, Stats] | None) -> None:
     section("summary")
+    best = min(paths, key=lambda name: paths[name]["cycle_cpu_ms"])
+    best_cpu = paths[best]["cycle_cpu_ms"]
+    print(f"  fresh-instance cycle    {best_cpu:.2f} ms CPU on the {best} path, "
+          f"{paths['baseline']['cycle_cpu_ms']:.2f} ms baseline "
+          f"(target <= {CYCLE_TARGET_CPU_MS} ms: {verdict(best_cpu <= CYCLE_TARGET_CPU_MS)})")
     print(f"  run, warm pool, paced   median {ms(warm['pool'].median)}, "
           f"p90 {ms(warm['pool'].p90)}")
     print(f"  run, back to back       median {ms(warm['back_to_back'].median)}, "
@@ -381,11 +451,19 @@ def main() -> None:
         parser.error("--runs must be at least 2")
 
     header()
+    paths = bench_paths(args.runs, args.gap_ms / 1e3)
     warm = bench_warm(args.runs, args.gap_ms / 1e3)
     cold = bench_cold()
     prepare_s = bench_prepare(args.prepare)
     eryx = bench_eryx(args.eryx, args.runs, args.gap_ms / 1e3)
-    summary(warm, cold, prepare_s, eryx)
+    summary(paths, warm, cold, prepare_s, eryx)
+    if eryx is not None:
+        eryx_paced_ms = eryx["reused"].median * 1e3
+        eryx_fresh_ms = eryx["fresh"].median * 1e3
+        for name, row in paths.items():
+            print(f"  {name + ':':<10} paced {row['paced_ms'] / eryx_paced_ms:.2f}x eryx's, "
+                  f"back to back {row['back_to_back_ms'] / eryx_fresh_ms:.2f}x eryx's new "
+                  "Sandbox() + execute")
 
 
 if __name__ == "__main__":

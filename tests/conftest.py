@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import wasibox
+from wasibox.backends.wasm import WasmBackend, runtime
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +32,23 @@ def child_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+#: The run paths of the Wasm backend; run-path-sensitive tests run on each.
+RUN_PATHS = ("python", "native")
+
+
+def run_path_backend(path: str) -> WasmBackend:
+    """A Wasm backend on ``path``; skips if the native path is unavailable here, saying why."""
+    if path == "native":
+        native = runtime().native
+        if native.module is None:
+            pytest.skip(f"the native run path is unavailable: {native.reason}")
+    return WasmBackend(run_path=path)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=RUN_PATHS)
+def run_path_sandbox(request: pytest.FixtureRequest) -> Iterator[wasibox.Sandbox]:
+    """A Sandbox on each run path in turn."""
+    with wasibox.Sandbox(backend=run_path_backend(request.param)) as sb:
+        yield sb

@@ -384,8 +384,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("kvm", kvm_state),
     ]
     from ._vm_cli import doctor_rows
+    from .backends import wasm
 
-    rows += doctor_rows()
+    rows += wasm.doctor_rows() + doctor_rows()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

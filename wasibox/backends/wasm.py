@@ -22,6 +22,13 @@ This is the only module that imports ``wasmtime``. It owns:
 * the wiring of the host-call channel (host functions and mediated HTTP). Its checks and
   policy live in ``wasibox/_hostcall.py`` and ``wasibox/_http.py``, shared by every backend.
 
+Two run paths give the same behaviour: the *native* one (the default where it can be built)
+makes the guest call and serves the host functions every run uses in C, with the GIL
+released (``_native/``); the *Python* one does both through wasmtime-py. Files, host
+functions and HTTP are Python on both. ``WASIBOX_RUN_PATH`` or ``WasmBackend(run_path=...)``
+choose. Memory slots are reused between instances where that is verified safe
+(``_slots.py``).
+
 Wasmtime's own errors are converted to wasibox results in one place, ``_classify``.
 """
 
@@ -40,7 +47,8 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Literal
 
 import wasmtime
 from wasmtime import _ffi as ffi
@@ -57,10 +65,13 @@ from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request, max_elements
+from ._native import NativeBuild
+from ._native import load as load_native
+from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from ._stack import call_with_stack
 from .base import Backend, Job, Policy
 
-__all__ = ["WasmBackend", "WasmRuntime", "runtime"]
+__all__ = ["WasmBackend", "WasmRuntime", "doctor_rows", "runtime"]
 
 WASMTIME_VERSION = installed_version("wasmtime")
 WASI_VERSION = "0.2.9"  # the WASI interfaces componentize-py 0.25's guest imports
@@ -75,6 +86,11 @@ MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
 #: a time; a bigger request is a guest calling the import itself, and would make the host
 #: allocate (and the host's lowering copy, several times) up to the guest's memory cap.
 MAX_ENTROPY_CALL_BYTES = 1 << 20
+#: Where runs execute: "native" (the C extension, see _native/), "python" (wasmtime-py), or
+#: "auto" (native where it can be built). Chosen per backend, or for the process by
+#: WASIBOX_RUN_PATH.
+RunPath = Literal["auto", "native", "python"]
+RUN_PATH_ENV = "WASIBOX_RUN_PATH"
 #: Engine settings: part of the compiled-guest cache key, and asserted by tests.
 ENGINE_SETTINGS: dict[str, Any] = {
     "strategy": "cranelift",
@@ -245,6 +261,69 @@ class _Run:
         raise wasmtime.WasmtimeError(f"wasibox: {limit.value} limit exceeded")
 
 
+class _NativeRun(_Run):
+    """A run on the native path: its output, clocks and entropy live in C (``native``);
+    what Python still serves (files, host functions, HTTP) uses the fields of ``_Run``."""
+
+    __slots__ = ("module", "native")
+
+    def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType) -> None:
+        super().__init__(job, store)
+        limits, policy = job.limits, job.policy
+        self.module = native
+        # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
+        self.native = native.Run(
+            fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
+            memory_bytes=min(limits.memory_bytes, _U64_MAX),
+            timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
+            real_clock=policy.clock == "real",
+            seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
+
+    def append(self, fd: int, data: bytes) -> bool:
+        fits: bool = self.native.append(fd, data)
+        return fits
+
+    def interrupt(self) -> None:
+        super().interrupt()
+        self.native.interrupt()
+
+    def collect(self) -> None:
+        """Take what the C side recorded; the first limit and fault recorded win."""
+        (self.stdout, self.stderr, self.stdout_truncated, self.stderr_truncated, limit,
+         fault, exit_code) = self.native.outcome()
+        if limit is not None:
+            self.limit = self.limit or Limit(limit)
+        if fault is not None:
+            self.fault = self.fault or GuestException(type=fault[0], message=fault[1],
+                                                      traceback="")
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class _NativeTrap(wasmtime.WasmtimeError):
+    """A trap of the native path, shaped as wasmtime-py raises one (``code``: WASI exit)."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code  # what _classify reads from wasmtime-py's ExitTrap
+
+
+def _seed_words(seed: int) -> bytes:
+    """|seed| as little-endian 32-bit words, as ``random.Random(seed)`` keys its generator."""
+    magnitude = abs(seed)
+    return magnitude.to_bytes(max(1, (magnitude.bit_length() + 31) // 32) * 4, "little")
+
+
+def _address(pointer: Any) -> int:
+    address: int | None = ctypes.cast(pointer, ctypes.c_void_p).value
+    if address is None:
+        raise UsageError("a null Wasmtime pointer")
+    return address
+
+
+_U64_MAX = 2**64 - 1
+_MAX_TIMEOUT_NS = 2**62  # ~146 years; keeps the C deadline from overflowing
 _current = threading.local()
 
 
@@ -360,40 +439,53 @@ def _file_op(method: str, tagged: bool) -> Any:
     return op
 
 
-def _define_host(linker: cm.Linker) -> None:
-    """Define the guest's stdio and clock capabilities, and shadow WASI clocks and random."""
+def _define_host(linker: cm.Linker, native: ModuleType | None = None) -> None:
+    """Define the guest's capabilities, and shadow WASI clocks and random.
+
+    With ``native``, the host functions every run uses are the C ones of the native run
+    path (``_native/wasibox_native.c``, which mirrors ``_define_every_run``); the
+    capabilities that need Python (files, host functions, HTTP) are defined here either way.
+    """
     linker.allow_shadowing = True
     with linker.root() as root:
-        with root.add_instance("wasibox:sandbox/runner@0.1.0") as runner:
-            runner.add_func("start", _host(_start))
-        with root.add_instance("wasibox:sandbox/stdio@0.1.0") as stdio:
-            stdio.add_func("write", _host(_write))
-        with root.add_instance("wasibox:sandbox/clock@0.1.0") as clock:
-            clock.add_func("sleep", _host(_sleep))
-        with root.add_instance("wasibox:sandbox/process@0.1.0") as process:
-            process.add_func("exit", _host(_exit))
-        with root.add_instance("wasibox:sandbox/entropy@0.1.0") as entropy:
-            entropy.add_func("random-bytes", _host(
-                lambda run, ctx, size: run.random_bytes(size).decode("latin-1")))
         with root.add_instance("wasibox:sandbox/files@0.1.0") as files:
             for name, method, tagged in _FILE_OPS:
                 files.add_func(name, _host(_file_op(method, tagged)))
         with root.add_instance("wasibox:sandbox/host@0.1.0") as host:
             host.add_func("call", _host(lambda run, ctx, name, payload:
                                         run.host_call(name, payload)))
-        with root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as monotonic:
-            monotonic.add_func("now", _host(lambda run, ctx: run.monotonic_ns(ctx)))
-            monotonic.add_func("resolution", _host(lambda run, ctx: 1))
-            monotonic.add_func("subscribe-duration", _host(_subscribe))
-            monotonic.add_func("subscribe-instant", _host(
-                lambda run, ctx, when: _subscribe(run, ctx, max(when - run.monotonic_ns(ctx), 0))))
-        with root.add_instance(f"wasi:clocks/wall-clock@{WASI_VERSION}") as wall:
-            wall.add_func("now", _host(lambda run, ctx: _DateTime(run.wall_ns(ctx))))
-            wall.add_func("resolution", _host(lambda run, ctx: _DateTime(1)))
-        with root.add_instance(f"wasi:random/random@{WASI_VERSION}") as wasi_random:
-            wasi_random.add_func("get-random-bytes",
-                                 _host(lambda run, ctx, size: run.random_bytes(size)))
-            wasi_random.add_func("get-random-u64", _host(lambda run, ctx: run.random_u64()))
+        if native is None:
+            _define_every_run(root)
+    if native is not None:
+        native.define(_address(linker.ptr()), WASI_VERSION)
+
+
+def _define_every_run(root: Any) -> None:
+    """The host functions every run uses, in Python: stdio, clocks, entropy, exit, start."""
+    with root.add_instance("wasibox:sandbox/runner@0.1.0") as runner:
+        runner.add_func("start", _host(_start))
+    with root.add_instance("wasibox:sandbox/stdio@0.1.0") as stdio:
+        stdio.add_func("write", _host(_write))
+    with root.add_instance("wasibox:sandbox/clock@0.1.0") as clock:
+        clock.add_func("sleep", _host(_sleep))
+    with root.add_instance("wasibox:sandbox/process@0.1.0") as process:
+        process.add_func("exit", _host(_exit))
+    with root.add_instance("wasibox:sandbox/entropy@0.1.0") as entropy:
+        entropy.add_func("random-bytes", _host(
+            lambda run, ctx, size: run.random_bytes(size).decode("latin-1")))
+    with root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as monotonic:
+        monotonic.add_func("now", _host(lambda run, ctx: run.monotonic_ns(ctx)))
+        monotonic.add_func("resolution", _host(lambda run, ctx: 1))
+        monotonic.add_func("subscribe-duration", _host(_subscribe))
+        monotonic.add_func("subscribe-instant", _host(
+            lambda run, ctx, when: _subscribe(run, ctx, max(when - run.monotonic_ns(ctx), 0))))
+    with root.add_instance(f"wasi:clocks/wall-clock@{WASI_VERSION}") as wall:
+        wall.add_func("now", _host(lambda run, ctx: _DateTime(run.wall_ns(ctx))))
+        wall.add_func("resolution", _host(lambda run, ctx: _DateTime(1)))
+    with root.add_instance(f"wasi:random/random@{WASI_VERSION}") as wasi_random:
+        wasi_random.add_func("get-random-bytes",
+                             _host(lambda run, ctx, size: run.random_bytes(size)))
+        wasi_random.add_func("get-random-u64", _host(lambda run, ctx: run.random_u64()))
 
 
 class _OutputSlot:
@@ -491,11 +583,37 @@ class WasmRuntime:
     """The per-process part of the backend: engine, compiled guest, linker, instance pool."""
 
     def __init__(self, artifact: GuestArtifact | None = None, *, pool_size: int = 1,
-                 progress: Reporter | None = None) -> None:
+                 progress: Reporter | None = None, run_path: RunPath | None = None,
+                 reuse_slots: bool = True) -> None:
+        """``run_path`` as WasmBackend's; ``reuse_slots=False`` keeps Wasmtime's default
+        allocator (benchmarks compare with it). Raises UsageError if ``run_path`` is
+        "native" and the extension is unavailable, GuestBuildError if the guest cannot
+        be built or compiled."""
+        requested = _checked_run_path(run_path)
         self.artifact = artifact or ensure_guest(progress)
-        self.engine = wasmtime.Engine(_engine_config())
+        config = _engine_config()
+        #: Whether memory slots are reused between instances, and why (see _slots.py).
+        self.slot_reuse: SlotReuse = (configure_pooling(config) if reuse_slots else
+                                      SlotReuse(False, "turned off for this runtime"))
+        self.engine = wasmtime.Engine(config)
         self.component, self.min_memory_bytes = _load_compiled(
             self.engine, self.artifact, progress or library_reporter())
+        #: The native extension, or why there is none (shown by ``wasibox doctor``).
+        self.native: NativeBuild = (
+            load_native(progress or library_reporter()) if requested != "python"
+            else NativeBuild(None, f"the Python run path was chosen ({RUN_PATH_ENV}=python)"))
+        if requested == "native" and self.native.module is None:
+            raise UsageError(f"the native run path is unavailable: {self.native.reason}")
+        #: The path this runtime's pooled instances are made for.
+        self.run_path: Literal["native", "python"] = (
+            "native" if self.native.module is not None else "python")
+        self._native_linker: cm.Linker | None = None
+        if self.native.module is not None:
+            self._native_linker = cm.Linker(self.engine)
+            self._native_linker.add_wasip2()
+            _define_host(self._native_linker, self.native.module)
+        self._slots = (SlotPopulator(_compiled_path(self.artifact).resolve())
+                       if self.slot_reuse.enabled else None)
         self.linker = cm.Linker(self.engine)
         self.linker.add_wasip2()
         _define_host(self.linker)
@@ -508,8 +626,13 @@ class WasmRuntime:
         self._filler: threading.Thread | None = None
         self._closed = False
 
-    def instantiate(self) -> tuple[wasmtime.Store, Any]:
-        """A fresh store and instance of the guest, and its ``execute`` export."""
+    def instantiate(self, run_path: Literal["native", "python"] | None = None,
+                    ) -> tuple[wasmtime.Store, Any]:
+        """A fresh store and instance of the guest for ``run_path`` (by default this
+        runtime's), and its ``execute`` export."""
+        native = self.native.module if (run_path or self.run_path) == "native" else None
+        linker = self._native_linker if native is not None else self.linker
+        assert linker is not None
         store = wasmtime.Store(self.engine)
         wasi = wasmtime.WasiConfig()
         slot = _output_slots[store] = _OutputSlot()
@@ -518,12 +641,16 @@ class WasmRuntime:
         store.set_wasi(wasi)
         store.set_fuel(_INSTANTIATION_FUEL)
         store.set_epoch_deadline(2**62)
-        instance = self.linker.instantiate(store, self.component)
+        instance = linker.instantiate(store, self.component)
+        if self._slots is not None:
+            self._slots.track(store)
         execute = instance.get_func(store, "execute")
         if execute is None:
             raise GuestBuildError("the guest component exports no `execute` function; "
                                   "rebuild it with `wasibox prepare`")
-        _prime(store, execute)
+        if native is not None:
+            native.arm(_address(store.ptr()))  # the epoch deadline, decided in C
+        _prime(store, execute, native)
         return store, execute
 
     def take(self) -> tuple[wasmtime.Store, Any]:
@@ -602,14 +729,41 @@ class WasmRuntime:
             self._pool_cond.notify_all()
 
 
-def _prime(store: wasmtime.Store, execute: Any) -> None:
+def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None) -> None:
     """Run ``PRIMING_JOB`` in a new instance; its output and reply are dropped."""
-    run = _Run(PRIMING_JOB, store)
+    run = _Run(PRIMING_JOB, store) if native is None else _NativeRun(PRIMING_JOB, store, native)
     call_with_stack(lambda: _call_guest(run, execute, _PRIMING_REQUEST), MIN_HOST_STACK)
 
 
 _runtime: WasmRuntime | None = None
 _runtime_lock = threading.Lock()
+
+
+def doctor_rows() -> list[tuple[str, str]]:
+    """What ``wasibox doctor`` reports about this backend, without starting an engine."""
+    reuse = slot_reuse()
+    try:
+        requested = _checked_run_path(None)
+    except UsageError as exc:
+        return [("slot reuse", f"{'on' if reuse.enabled else 'off'}: {reuse.reason}"),
+                ("run path", f"misconfigured: {exc}")]
+    if requested == "python":
+        run_path = f"python: chosen by {RUN_PATH_ENV}=python"
+    else:
+        native = load_native(lambda message: None, build=False)
+        run_path = (f"native: {native.reason}" if native.module is not None
+                    else f"python: the native path is unavailable: {native.reason}")
+    return [("slot reuse", f"{'on' if reuse.enabled else 'off'}: {reuse.reason}"),
+            ("run path", run_path)]
+
+
+def _checked_run_path(run_path: RunPath | None) -> RunPath:
+    """``run_path``, or WASIBOX_RUN_PATH's, or "auto"; UsageError if it is none of them."""
+    chosen = run_path or os.environ.get(RUN_PATH_ENV) or "auto"
+    if chosen not in ("auto", "native", "python"):
+        raise UsageError(f"the run path must be 'auto', 'native' or 'python', not {chosen!r}"
+                         + ("" if run_path else f" (from {RUN_PATH_ENV})"))
+    return chosen  # type: ignore[return-value]
 
 
 def runtime(progress: Reporter | None = None) -> WasmRuntime:
@@ -627,8 +781,19 @@ class WasmBackend(Backend):
     name = "wasm"
 
     def __init__(self, runtime_: WasmRuntime | None = None, *,
-                 pool_size: int | None = None) -> None:
+                 pool_size: int | None = None, run_path: RunPath | None = None) -> None:
+        """``run_path`` picks the native or the Python run path (default: the runtime's).
+
+        Raises UsageError if ``run_path`` is "native" and the extension is unavailable.
+        """
         self._runtime = runtime_ or runtime()
+        chosen = _checked_run_path(run_path) if run_path is not None else "auto"
+        if chosen == "native" and self._runtime.native.module is None:
+            raise UsageError(
+                f"the native run path is unavailable: {self._runtime.native.reason}")
+        #: The run path of this backend's runs.
+        self.run_path: Literal["native", "python"] = (
+            self._runtime.run_path if chosen == "auto" else chosen)
         self._compiler = _Compiler(self._runtime)
         #: With pool_size, the runtime keeps that many instances warm until ``close``.
         self._release_pool = (self._runtime.request_pool_size(pool_size)
@@ -661,10 +826,13 @@ class WasmBackend(Backend):
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         try:
-            store, execute = rt.take()
+            # The pool holds instances for the runtime's own path only.
+            store, execute = (rt.take() if self.run_path == rt.run_path
+                              else rt.instantiate(self.run_path))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
-        run = _Run(job, store)
+        native = rt.native.module if self.run_path == "native" else None
+        run = _Run(job, store) if native is None else _NativeRun(job, store, native)
         store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
         reply: str | None = None
@@ -672,8 +840,9 @@ class WasmBackend(Backend):
         control.enter(RunState.RUNNING)
         detach = control.on_cancel(run.interrupt)
         with rt.ticker:
-            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE, None,
-                                                       _NO_FINALIZER)
+            if native is None:  # the native path's C callback was set when it was made
+                ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
+                                                           None, _NO_FINALIZER)
             store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
             run.deadline = time.monotonic() + job.limits.timeout_s
             try:
@@ -752,7 +921,7 @@ class _Compiler:
     def _compile(self, job: Job) -> bytes | None:
         if self._instance is None or self._compiles >= COMPILER_RECYCLE_AFTER:
             # Made here, not taken from the pool: pooled instances are for runs.
-            self._instance, self._compiles = self._runtime.instantiate(), 0
+            self._instance, self._compiles = self._runtime.instantiate("python"), 0
         store, execute = self._instance
         self._compiles += 1
         run = _Run(job, store)  # for its limits; compiling writes no output
@@ -797,14 +966,28 @@ class _Compiler:
             (old_name, old_code), old_compiled = self._cache.popitem(last=False)
             self._cache_bytes -= len(old_name) + len(old_code) + len(old_compiled)
 def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
-    """Call the guest's ``execute`` on this thread, with ``run`` as its host state."""
+    """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
+
+    On the native path the call is made in C with the GIL released; a trap comes back as
+    its message (and WASI exit status), raised here as wasmtime-py would raise it.
+    """
     _current.run = run
     slot = _output_slots.get(run.store)
     if slot is not None:
         slot.run = run
     try:
-        reply: str | None = execute(run.store, request)
-        return reply
+        if isinstance(run, _NativeRun):
+            try:
+                reply, message, status = run.module.call(
+                    ctypes.addressof(execute._func), _address(run.store._context()),
+                    request.encode(), run.native)
+            finally:
+                run.collect()
+            if message is not None:
+                raise _NativeTrap(message, status)
+            return str(reply)
+        python_reply: str | None = execute(run.store, request)
+        return python_reply
     finally:
         _current.run = None
         if slot is not None:

@@ -1,0 +1,918 @@
+/*
+ * The native run path: the guest call and the host functions every run uses, in C.
+ *
+ * Built by wasibox/backends/_native/__init__.py against the Wasmtime C library that
+ * wasmtime-py ships (linked by path; it has no SONAME). The C API's headers are not in the
+ * wheel, so the few declarations used are written out below, copied from Wasmtime 50's
+ * crates/c-api/include (wasmtime-py's _bindings.py declares the same signatures).
+ *
+ * What runs here, with the GIL released for the whole guest call:
+ *   wasibox:sandbox/{runner,stdio,clock,process,entropy}, wasi:clocks/{monotonic,wall}-clock
+ *   and wasi:random/random, plus the epoch-deadline callback (timeout and cancellation).
+ * Everything else (files, host functions, mediated HTTP) stays in Python, defined on the same
+ * linker by wasibox/backends/wasm.py; ctypes takes the GIL when Wasmtime calls those.
+ *
+ * Every host function must behave exactly as its Python twin in wasm.py (same output, same
+ * fuel, same faults), since tests compare the two paths run for run. The guest controls every
+ * argument: lengths are checked against the run's limits before anything is allocated, and
+ * output never grows past the run's output cap.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+/* ---- the subset of Wasmtime's C API used here (Wasmtime 50) ------------------------------ */
+
+typedef struct wasm_byte_vec_t {
+    size_t size;
+    char *data;
+} wasm_byte_vec_t;
+typedef wasm_byte_vec_t wasm_name_t;
+
+typedef struct wasmtime_error wasmtime_error_t;
+typedef struct wasmtime_context wasmtime_context_t;
+typedef struct wasmtime_store wasmtime_store_t;
+typedef struct wasmtime_component_linker wasmtime_component_linker_t;
+typedef struct wasmtime_component_linker_instance wasmtime_component_linker_instance_t;
+typedef struct wasmtime_component_func_type wasmtime_component_func_type_t;
+typedef struct wasmtime_component_func wasmtime_component_func_t; /* opaque to us */
+
+typedef uint8_t wasmtime_component_valkind_t;
+enum {
+    VAL_U8 = 2,
+    VAL_U32 = 6,
+    VAL_U64 = 8,
+    VAL_STRING = 12,
+    VAL_LIST = 13,
+    VAL_RECORD = 14,
+};
+
+struct wasmtime_component_val;
+typedef struct {
+    size_t size;
+    struct wasmtime_component_val *data;
+} wasmtime_component_vallist_t;
+struct wasmtime_component_valrecord_entry;
+typedef struct {
+    size_t size;
+    struct wasmtime_component_valrecord_entry *data;
+} wasmtime_component_valrecord_t;
+
+typedef struct wasmtime_component_val {
+    wasmtime_component_valkind_t kind;
+    union {
+        uint8_t u8;
+        uint32_t u32;
+        uint64_t u64;
+        wasm_name_t string;
+        wasmtime_component_vallist_t list;
+        wasmtime_component_valrecord_t record;
+        unsigned char size_of_the_union[24];
+    } of;
+} wasmtime_component_val_t;
+
+typedef struct wasmtime_component_valrecord_entry {
+    wasm_name_t name;
+    wasmtime_component_val_t val;
+} wasmtime_component_valrecord_entry_t;
+
+_Static_assert(sizeof(wasmtime_component_val_t) == 32, "component val layout");
+_Static_assert(sizeof(wasmtime_component_valrecord_entry_t) == 48, "record entry layout");
+
+typedef wasmtime_error_t *(*wasmtime_component_func_callback_t)(
+    void *env, wasmtime_context_t *context, const wasmtime_component_func_type_t *type,
+    wasmtime_component_val_t *args, size_t nargs, wasmtime_component_val_t *results,
+    size_t nresults);
+
+typedef uint8_t wasmtime_update_deadline_kind_t;
+#define WASMTIME_UPDATE_DEADLINE_CONTINUE 0
+
+extern void wasm_byte_vec_new(wasm_byte_vec_t *out, size_t size, const char *data);
+extern void wasm_byte_vec_new_uninitialized(wasm_byte_vec_t *out, size_t size);
+extern void wasm_byte_vec_delete(wasm_byte_vec_t *vec);
+extern wasmtime_error_t *wasmtime_error_new(const char *message);
+extern void wasmtime_error_delete(wasmtime_error_t *error);
+extern void wasmtime_error_message(const wasmtime_error_t *error, wasm_name_t *message);
+extern bool wasmtime_error_exit_status(const wasmtime_error_t *error, int *status);
+extern wasmtime_error_t *wasmtime_context_set_fuel(wasmtime_context_t *context, uint64_t fuel);
+extern wasmtime_error_t *wasmtime_context_get_fuel(const wasmtime_context_t *context,
+                                                   uint64_t *fuel);
+extern void wasmtime_store_epoch_deadline_callback(
+    wasmtime_store_t *store,
+    wasmtime_error_t *(*callback)(wasmtime_context_t *, void *, uint64_t *,
+                                  wasmtime_update_deadline_kind_t *),
+    void *data, void (*finalizer)(void *));
+extern wasmtime_component_linker_instance_t *wasmtime_component_linker_root(
+    wasmtime_component_linker_t *linker);
+extern wasmtime_error_t *wasmtime_component_linker_instance_add_instance(
+    wasmtime_component_linker_instance_t *instance, const char *name, size_t name_len,
+    wasmtime_component_linker_instance_t **out);
+extern wasmtime_error_t *wasmtime_component_linker_instance_add_func(
+    wasmtime_component_linker_instance_t *instance, const char *name, size_t name_len,
+    wasmtime_component_func_callback_t callback, void *data, void (*finalizer)(void *));
+extern void wasmtime_component_linker_instance_delete(
+    wasmtime_component_linker_instance_t *instance);
+extern wasmtime_error_t *wasmtime_component_func_call(
+    const wasmtime_component_func_t *func, wasmtime_context_t *context,
+    const wasmtime_component_val_t *args, size_t nargs, wasmtime_component_val_t *results,
+    size_t nresults);
+extern wasmtime_error_t *wasmtime_component_func_post_return(
+    const wasmtime_component_func_t *func, wasmtime_context_t *context);
+extern void wasmtime_component_val_delete(wasmtime_component_val_t *value);
+extern void wasmtime_component_valrecord_new_uninit(wasmtime_component_valrecord_t *out,
+                                                    size_t size);
+extern void wasmtime_component_vallist_new_uninit(wasmtime_component_vallist_t *out,
+                                                  size_t size);
+
+/* ---- per-run state ----------------------------------------------------------------------- */
+
+/* Why a run stopped; the values are wasibox.Limit's, mapped back in wasm.py. */
+enum limit { LIMIT_NONE = 0, LIMIT_OUTPUT, LIMIT_TIMEOUT, LIMIT_CANCELLED, LIMIT_MEMORY };
+static const char *const LIMIT_NAMES[] = {"", "output", "timeout", "cancelled", "memory"};
+
+#define VIRTUAL_EPOCH_NS (1704067200ULL * 1000000000ULL)
+#define MAX_ENTROPY_CALL_BYTES (1u << 20)
+#define MT_N 624
+#define MT_M 397
+
+typedef struct {
+    PyObject_HEAD
+    /* limits and policy, fixed when the run is made */
+    uint64_t fuel_limit;
+    uint64_t output_room;
+    uint64_t memory_bytes;
+    uint64_t timeout_ns;
+    bool real_clock;
+    bool seeded;
+    /* the deadline on CLOCK_MONOTONIC; set by `call` */
+    uint64_t deadline_ns;
+    /* state the guest's calls change */
+    /* Output: written by the guest thread (stdio.write) and by Wasmtime's WASI workers
+     * (the guest's C-level writes, through `append`), so guarded by output_lock. */
+    pthread_mutex_t output_lock;
+    char *stdout_buf, *stderr_buf;
+    size_t stdout_len, stderr_len, stdout_capacity, stderr_capacity;
+    bool stdout_truncated, stderr_truncated;
+    bool started;
+    int limit;
+    int exit_code; /* -1: none */
+    const char *fault_type; /* static strings; NULL: none */
+    const char *fault_message;
+    uint64_t slept_ns;
+    atomic_int cancelled;
+    /* CPython's Mersenne Twister, for seeded entropy identical to random.Random(seed) */
+    uint32_t mt[MT_N];
+    int mti;
+} Run;
+
+static _Thread_local Run *current_run = NULL;
+
+static uint64_t now_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* -- Mersenne Twister, as CPython's Modules/_randommodule.c -- */
+
+static void mt_init_genrand(Run *run, uint32_t s) {
+    run->mt[0] = s;
+    for (int i = 1; i < MT_N; i++) {
+        run->mt[i] = 1812433253U * (run->mt[i - 1] ^ (run->mt[i - 1] >> 30)) + (uint32_t)i;
+    }
+    run->mti = MT_N;
+}
+
+static void mt_init_by_array(Run *run, const uint32_t *key, size_t key_length) {
+    size_t i = 1, j = 0, k;
+    mt_init_genrand(run, 19650218U);
+    for (k = (MT_N > key_length ? MT_N : key_length); k; k--) {
+        run->mt[i] = (run->mt[i] ^ ((run->mt[i - 1] ^ (run->mt[i - 1] >> 30)) * 1664525U))
+                     + key[j] + (uint32_t)j;
+        i++;
+        j++;
+        if (i >= MT_N) {
+            run->mt[0] = run->mt[MT_N - 1];
+            i = 1;
+        }
+        if (j >= key_length) j = 0;
+    }
+    for (k = MT_N - 1; k; k--) {
+        run->mt[i] = (run->mt[i] ^ ((run->mt[i - 1] ^ (run->mt[i - 1] >> 30)) * 1566083941U))
+                     - (uint32_t)i;
+        i++;
+        if (i >= MT_N) {
+            run->mt[0] = run->mt[MT_N - 1];
+            i = 1;
+        }
+    }
+    run->mt[0] = 0x80000000U;
+}
+
+static uint32_t mt_next(Run *run) {
+    static const uint32_t mag01[2] = {0x0U, 0x9908b0dfU};
+    uint32_t y;
+    if (run->mti >= MT_N) {
+        int kk;
+        for (kk = 0; kk < MT_N - MT_M; kk++) {
+            y = (run->mt[kk] & 0x80000000U) | (run->mt[kk + 1] & 0x7fffffffU);
+            run->mt[kk] = run->mt[kk + MT_M] ^ (y >> 1) ^ mag01[y & 0x1U];
+        }
+        for (; kk < MT_N - 1; kk++) {
+            y = (run->mt[kk] & 0x80000000U) | (run->mt[kk + 1] & 0x7fffffffU);
+            run->mt[kk] = run->mt[kk + (MT_M - MT_N)] ^ (y >> 1) ^ mag01[y & 0x1U];
+        }
+        y = (run->mt[MT_N - 1] & 0x80000000U) | (run->mt[0] & 0x7fffffffU);
+        run->mt[MT_N - 1] = run->mt[MT_M - 1] ^ (y >> 1) ^ mag01[y & 0x1U];
+        run->mti = 0;
+    }
+    y = run->mt[run->mti++];
+    y ^= (y >> 11);
+    y ^= (y << 7) & 0x9d2c5680U;
+    y ^= (y << 15) & 0xefc60000U;
+    y ^= (y >> 18);
+    return y;
+}
+
+/* random.Random.randbytes(size): getrandbits(size * 8).to_bytes(size, "little"). */
+static void mt_bytes(Run *run, unsigned char *out, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+        uint32_t word = mt_next(run);
+        size_t take = size - done < 4 ? size - done : 4;
+        if (take < 4) word >>= 32 - 8 * take; /* getrandbits keeps the high bits */
+        for (size_t b = 0; b < take; b++) out[done + b] = (unsigned char)(word >> (8 * b));
+        done += take;
+    }
+}
+
+static int real_bytes(unsigned char *out, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+        ssize_t got = getrandom(out + done, size - done, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* ---- stopping a run ---------------------------------------------------------------------- */
+
+static wasmtime_error_t *stop(Run *run, int limit) {
+    char message[64];
+    if (run->limit == LIMIT_NONE) run->limit = limit;
+    snprintf(message, sizeof message, "wasibox: %s limit exceeded", LIMIT_NAMES[limit]);
+    return wasmtime_error_new(message);
+}
+
+static wasmtime_error_t *fault(Run *run, const char *type, const char *message,
+                               const char *trap) {
+    if (run->fault_type == NULL) {
+        run->fault_type = type;
+        run->fault_message = message;
+    }
+    return wasmtime_error_new(trap);
+}
+
+static wasmtime_error_t *host_failed(Run *run, const char *exception) {
+    /* The Python path's _host wrapper reports any unexpected exception this way. */
+    return fault(run, "HostError", exception, "wasibox: host function failed");
+}
+
+/* ---- time -------------------------------------------------------------------------------- */
+
+static uint64_t fuel_used(Run *run, wasmtime_context_t *context) {
+    uint64_t remaining = 0;
+    wasmtime_error_t *error = wasmtime_context_get_fuel(context, &remaining);
+    if (error != NULL) {
+        wasmtime_error_delete(error);
+        return run->fuel_limit;
+    }
+    return run->fuel_limit - remaining;
+}
+
+static uint64_t virtual_ns(Run *run, wasmtime_context_t *context) {
+    return fuel_used(run, context) + run->slept_ns;
+}
+
+/* Sleep on the real clock in short slices, so a cancel is seen within one slice. */
+static bool sleep_cancellable(Run *run, uint64_t ns) {
+    uint64_t end = now_ns(CLOCK_MONOTONIC) + ns;
+    for (;;) {
+        if (atomic_load(&run->cancelled)) return true;
+        uint64_t now = now_ns(CLOCK_MONOTONIC);
+        if (now >= end) return false;
+        uint64_t slice = end - now < 10000000ULL ? end - now : 10000000ULL;
+        struct timespec ts = {(time_t)(slice / 1000000000ULL), (long)(slice % 1000000000ULL)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static wasmtime_error_t *wait_ns(Run *run, wasmtime_context_t *context, uint64_t ns) {
+    if (run->real_clock) {
+        uint64_t now = now_ns(CLOCK_MONOTONIC);
+        uint64_t remaining = run->deadline_ns > now ? run->deadline_ns - now : 0;
+        if (ns >= remaining) {
+            sleep_cancellable(run, remaining);
+            return stop(run, atomic_load(&run->cancelled) ? LIMIT_CANCELLED : LIMIT_TIMEOUT);
+        }
+        if (sleep_cancellable(run, ns)) return stop(run, LIMIT_CANCELLED);
+        return NULL;
+    }
+    run->slept_ns = ns > UINT64_MAX - run->slept_ns ? UINT64_MAX : run->slept_ns + ns;
+    if (virtual_ns(run, context) > run->timeout_ns) return stop(run, LIMIT_TIMEOUT);
+    return NULL;
+}
+
+static bool would_block_past_deadline(Run *run, wasmtime_context_t *context, uint64_t ns) {
+    if (run->real_clock) {
+        uint64_t now = now_ns(CLOCK_MONOTONIC);
+        return ns >= (run->deadline_ns > now ? run->deadline_ns - now : 0);
+    }
+    uint64_t now = virtual_ns(run, context);
+    return ns > UINT64_MAX - now || now + ns > run->timeout_ns;
+}
+
+/* ---- the host functions ------------------------------------------------------------------ */
+
+/* A host function's signature (wasmtime_component_func_callback_t). */
+#define HOST_FUNC(name)                                                                   \
+    static wasmtime_error_t *name(void *env, wasmtime_context_t *context,                 \
+                                  const wasmtime_component_func_type_t *type,             \
+                                  wasmtime_component_val_t *args, size_t nargs,           \
+                                  wasmtime_component_val_t *results, size_t nresults)
+
+/* Every host function starts here: no run, or a cancelled one, traps at once. */
+#define ENTER(run)                                                                        \
+    Run *run = current_run;                                                               \
+    if (run == NULL) return wasmtime_error_new("wasibox: host function called outside a run"); \
+    if (atomic_load(&run->cancelled)) return stop(run, LIMIT_CANCELLED);
+
+#define EXPECT(count, kind0)                                                              \
+    if (nargs != (count) || ((count) > 0 && args[0].kind != (kind0)))                     \
+        return host_failed(run, "host function failed: TypeError");
+
+HOST_FUNC(host_start) {
+    ENTER(run)
+    EXPECT(0, 0)
+    if (run->started) return NULL;
+    run->started = true;
+    wasmtime_error_t *error = wasmtime_context_set_fuel(context, run->fuel_limit);
+    if (error != NULL) {
+        wasmtime_error_delete(error);
+        return wasmtime_error_new("wasibox: could not reset the guest's fuel");
+    }
+    return NULL;
+}
+
+/* Grow a buffer to hold `needed` bytes, doubling, never past `limit` (the output cap). */
+static bool reserve(char **buffer, size_t *capacity, size_t needed, size_t limit) {
+    if (needed <= *capacity) return true;
+    size_t grown = *capacity * 2 > needed ? *capacity * 2 : needed;
+    if (grown > limit) grown = needed; /* needed never exceeds the cap: see callers */
+    char *moved = realloc(*buffer, grown);
+    if (moved == NULL) return false;
+    *buffer = moved;
+    *capacity = grown;
+    return true;
+}
+
+/* Append to stdout or stderr under the shared output cap; false once it is exceeded.
+ * `data` holds `size` bytes, or (with `latin1`) UTF-8 text of code points below 256 that
+ * decodes to `size` bytes: only what fits under the cap is decoded. */
+static bool append_output(Run *run, int fd, const unsigned char *data, size_t size,
+                          bool latin1) {
+    pthread_mutex_lock(&run->output_lock);
+    bool stderr_ = fd == 2;
+    char **buffer = stderr_ ? &run->stderr_buf : &run->stdout_buf;
+    size_t *length = stderr_ ? &run->stderr_len : &run->stdout_len;
+    size_t *capacity = stderr_ ? &run->stderr_capacity : &run->stdout_capacity;
+    size_t keep = size <= run->output_room ? size : (size_t)run->output_room;
+    bool fits = keep == size;
+    /* The whole run's output is at most the cap, so this stream's buffer is too. */
+    if (keep > 0 && !reserve(buffer, capacity, *length + keep, *length + run->output_room)) {
+        keep = 0; /* the host is out of memory: keep nothing more, as past the cap */
+        fits = false;
+    }
+    if (keep > 0) {
+        unsigned char *out = (unsigned char *)*buffer + *length;
+        if (latin1) {
+            for (size_t i = 0, at = 0; at < keep; at++) {
+                unsigned char lead = data[i];
+                out[at] = lead < 0x80 ? lead : (unsigned char)(((lead & 0x1F) << 6)
+                                                               | (data[i + 1] & 0x3F));
+                i += lead < 0x80 ? 1 : 2;
+            }
+        } else {
+            memcpy(out, data, keep);
+        }
+        *length += keep;
+        run->output_room -= keep;
+    }
+    if (!fits) {
+        if (stderr_) run->stderr_truncated = true;
+        else run->stdout_truncated = true;
+        if (run->limit == LIMIT_NONE) run->limit = LIMIT_OUTPUT;
+    }
+    pthread_mutex_unlock(&run->output_lock);
+    return fits;
+}
+
+/* How many latin-1 bytes the UTF-8 `text` decodes to, or -1 if it has a code point >= 256
+ * (where str.encode("latin-1") raises in the Python path, whatever fits under the cap).
+ * Wasmtime has already checked that the text is valid UTF-8. */
+static int64_t latin1_length(const unsigned char *text, size_t size) {
+    int64_t count = 0;
+    for (size_t i = 0; i < size; count++) {
+        unsigned char lead = text[i];
+        if (lead < 0x80) i += 1;
+        else if ((lead == 0xC2 || lead == 0xC3) && i + 1 < size) i += 2;
+        else return -1;
+    }
+    return count;
+}
+
+HOST_FUNC(host_write) {
+    ENTER(run)
+    if (nargs != 2 || args[0].kind != VAL_U8 || args[1].kind != VAL_STRING)
+        return host_failed(run, "host function failed: TypeError");
+    const unsigned char *text = (const unsigned char *)args[1].of.string.data;
+    int64_t count = latin1_length(text, args[1].of.string.size);
+    if (count < 0) return host_failed(run, "host function failed: UnicodeEncodeError");
+    if (run->limit != LIMIT_NONE || !append_output(run, args[0].of.u8, text, (size_t)count, true))
+        return stop(run, LIMIT_OUTPUT);
+    return NULL;
+}
+
+HOST_FUNC(host_sleep) {
+    ENTER(run)
+    EXPECT(1, VAL_U64)
+    return wait_ns(run, context, args[0].of.u64);
+}
+
+HOST_FUNC(host_exit) {
+    ENTER(run)
+    EXPECT(1, VAL_U8)
+    char message[64];
+    run->exit_code = args[0].of.u8;
+    snprintf(message, sizeof message, "wasibox: the guest exited with status %d",
+             run->exit_code);
+    return wasmtime_error_new(message);
+}
+
+/* The checks of _Run.random_bytes, then the bytes (seeded or real) into `out`. */
+static wasmtime_error_t *entropy(Run *run, uint64_t size, unsigned char **out) {
+    *out = NULL;
+    if (size > run->memory_bytes) return stop(run, LIMIT_MEMORY);
+    if (size > MAX_ENTROPY_CALL_BYTES)
+        return fault(run, "OSError", "an entropy request is limited to 1048576 bytes",
+                     "wasibox: oversized entropy request refused");
+    unsigned char *bytes = malloc(size > 0 ? size : 1);
+    if (bytes == NULL) return host_failed(run, "host function failed: MemoryError");
+    if (run->seeded) mt_bytes(run, bytes, size);
+    else if (real_bytes(bytes, size) != 0) {
+        free(bytes);
+        return host_failed(run, "host function failed: OSError");
+    }
+    *out = bytes;
+    return NULL;
+}
+
+HOST_FUNC(host_entropy) {
+    ENTER(run)
+    EXPECT(1, VAL_U32)
+    if (nresults != 1) return host_failed(run, "host function failed: TypeError");
+    unsigned char *bytes;
+    uint64_t size = args[0].of.u32;
+    wasmtime_error_t *error = entropy(run, size, &bytes);
+    if (error != NULL) return error;
+    /* As a string of code points below 256: UTF-8, at most two bytes each. */
+    size_t length = 0;
+    for (uint64_t i = 0; i < size; i++) length += bytes[i] < 0x80 ? 1 : 2;
+    results[0].kind = VAL_STRING;
+    wasm_byte_vec_new_uninitialized(&results[0].of.string, length);
+    unsigned char *text = (unsigned char *)results[0].of.string.data;
+    size_t at = 0;
+    for (uint64_t i = 0; i < size; i++) {
+        if (bytes[i] < 0x80) {
+            text[at++] = bytes[i];
+        } else {
+            text[at++] = (unsigned char)(0xC0 | (bytes[i] >> 6));
+            text[at++] = (unsigned char)(0x80 | (bytes[i] & 0x3F));
+        }
+    }
+    free(bytes);
+    return NULL;
+}
+
+HOST_FUNC(host_random_bytes) {
+    ENTER(run)
+    EXPECT(1, VAL_U64)
+    if (nresults != 1) return host_failed(run, "host function failed: TypeError");
+    unsigned char *bytes;
+    uint64_t size = args[0].of.u64;
+    wasmtime_error_t *error = entropy(run, size, &bytes);
+    if (error != NULL) return error;
+    results[0].kind = VAL_LIST;
+    wasmtime_component_vallist_new_uninit(&results[0].of.list, size);
+    for (uint64_t i = 0; i < size; i++) {
+        results[0].of.list.data[i].kind = VAL_U8;
+        results[0].of.list.data[i].of.u8 = bytes[i];
+    }
+    free(bytes);
+    return NULL;
+}
+
+HOST_FUNC(host_random_u64) {
+    ENTER(run)
+    EXPECT(0, 0)
+    if (nresults != 1) return host_failed(run, "host function failed: TypeError");
+    uint64_t value;
+    if (run->seeded) {
+        uint64_t low = mt_next(run);
+        value = low | ((uint64_t)mt_next(run) << 32);
+    } else if (real_bytes((unsigned char *)&value, sizeof value) != 0) {
+        return host_failed(run, "host function failed: OSError");
+    }
+    results[0].kind = VAL_U64;
+    results[0].of.u64 = value;
+    return NULL;
+}
+
+static wasmtime_error_t *result_u64(Run *run, wasmtime_component_val_t *results,
+                                    size_t nresults, uint64_t value) {
+    if (nresults != 1) return host_failed(run, "host function failed: TypeError");
+    results[0].kind = VAL_U64;
+    results[0].of.u64 = value;
+    return NULL;
+}
+
+HOST_FUNC(host_monotonic_now) {
+    ENTER(run)
+    uint64_t now = run->real_clock ? now_ns(CLOCK_MONOTONIC) : virtual_ns(run, context);
+    return result_u64(run, results, nresults, now);
+}
+
+HOST_FUNC(host_resolution) {
+    ENTER(run)
+    return result_u64(run, results, nresults, 1);
+}
+
+static wasmtime_error_t *subscribe(Run *run, wasmtime_context_t *context, uint64_t ns) {
+    /* A WASI pollable would block inside the host, where epochs never tick: refused. */
+    if (would_block_past_deadline(run, context, ns)) return stop(run, LIMIT_TIMEOUT);
+    run->fault_type = "BlockingIOError";
+    run->fault_message = "the guest tried to wait through WASI poll, which wasibox does not "
+                         "allow; use time.sleep";
+    return wasmtime_error_new("wasibox: blocking WASI poll refused");
+}
+
+HOST_FUNC(host_subscribe_duration) {
+    ENTER(run)
+    EXPECT(1, VAL_U64)
+    return subscribe(run, context, args[0].of.u64);
+}
+
+HOST_FUNC(host_subscribe_instant) {
+    ENTER(run)
+    EXPECT(1, VAL_U64)
+    uint64_t now = run->real_clock ? now_ns(CLOCK_MONOTONIC) : virtual_ns(run, context);
+    uint64_t when = args[0].of.u64;
+    return subscribe(run, context, when > now ? when - now : 0);
+}
+
+static wasmtime_error_t *datetime(wasmtime_component_val_t *results, size_t nresults,
+                                  Run *run, uint64_t ns) {
+    if (nresults != 1) return host_failed(run, "host function failed: TypeError");
+    wasmtime_component_valrecord_t record;
+    wasmtime_component_valrecord_new_uninit(&record, 2);
+    wasm_byte_vec_new(&record.data[0].name, 7, "seconds");
+    record.data[0].val.kind = VAL_U64;
+    record.data[0].val.of.u64 = ns / 1000000000ULL;
+    wasm_byte_vec_new(&record.data[1].name, 11, "nanoseconds");
+    record.data[1].val.kind = VAL_U32;
+    record.data[1].val.of.u32 = (uint32_t)(ns % 1000000000ULL);
+    results[0].kind = VAL_RECORD;
+    results[0].of.record = record;
+    return NULL;
+}
+
+HOST_FUNC(host_wall_now) {
+    ENTER(run)
+    uint64_t now = run->real_clock ? now_ns(CLOCK_REALTIME)
+                                   : VIRTUAL_EPOCH_NS + virtual_ns(run, context);
+    return datetime(results, nresults, run, now);
+}
+
+HOST_FUNC(host_wall_resolution) {
+    ENTER(run)
+    return datetime(results, nresults, run, 1);
+}
+
+/* Called by Wasmtime at every epoch tick while a run's guest code runs (the deadline is
+ * always one tick ahead): decide there whether the run goes on. */
+static wasmtime_error_t *on_epoch_deadline(wasmtime_context_t *context, void *data,
+                                           uint64_t *delta,
+                                           wasmtime_update_deadline_kind_t *kind) {
+    Run *run = current_run;
+    if (run != NULL) {
+        if (atomic_load(&run->cancelled)) return stop(run, LIMIT_CANCELLED);
+        if (now_ns(CLOCK_MONOTONIC) >= run->deadline_ns) return stop(run, LIMIT_TIMEOUT);
+    }
+    *delta = 1;
+    *kind = WASMTIME_UPDATE_DEADLINE_CONTINUE;
+    return NULL;
+}
+
+/* ---- the Run type ------------------------------------------------------------------------ */
+
+static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"fuel", "output_bytes", "memory_bytes", "timeout_ns", "real_clock",
+                            "seed_words", NULL};
+    unsigned long long fuel, output_bytes, memory_bytes, timeout_ns;
+    int real_clock;
+    PyObject *seed_words; /* None for real entropy, else bytes: |seed| as 32-bit LE words */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKpO", names, &fuel, &output_bytes,
+                                     &memory_bytes, &timeout_ns, &real_clock, &seed_words))
+        return NULL;
+    if (seed_words != Py_None && (!PyBytes_Check(seed_words) || PyBytes_GET_SIZE(seed_words) == 0
+                                  || PyBytes_GET_SIZE(seed_words) % 4 != 0)) {
+        PyErr_SetString(PyExc_ValueError, "seed_words must be None or whole 32-bit words");
+        return NULL;
+    }
+    Run *run = (Run *)type->tp_alloc(type, 0);
+    if (run == NULL) return NULL;
+    run->fuel_limit = fuel;
+    run->output_room = output_bytes;
+    run->memory_bytes = memory_bytes;
+    run->timeout_ns = timeout_ns;
+    run->real_clock = real_clock != 0;
+    run->exit_code = -1;
+    pthread_mutex_init(&run->output_lock, NULL);
+    run->deadline_ns = UINT64_MAX;
+    atomic_init(&run->cancelled, 0);
+    if (seed_words != Py_None) {
+        size_t count = (size_t)PyBytes_GET_SIZE(seed_words) / 4;
+        const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(seed_words);
+        uint32_t *key = PyMem_Malloc(count * sizeof *key);
+        if (key == NULL) {
+            Py_DECREF(run);
+            return PyErr_NoMemory();
+        }
+        for (size_t i = 0; i < count; i++)
+            key[i] = (uint32_t)raw[4 * i] | (uint32_t)raw[4 * i + 1] << 8
+                     | (uint32_t)raw[4 * i + 2] << 16 | (uint32_t)raw[4 * i + 3] << 24;
+        mt_init_by_array(run, key, count);
+        PyMem_Free(key);
+        run->seeded = true;
+    }
+    return (PyObject *)run;
+}
+
+static void Run_dealloc(Run *run) {
+    pthread_mutex_destroy(&run->output_lock);
+    free(run->stdout_buf);
+    free(run->stderr_buf);
+    Py_TYPE(run)->tp_free((PyObject *)run);
+}
+
+static PyObject *Run_interrupt(Run *run, PyObject *unused) {
+    atomic_store(&run->cancelled, 1);
+    Py_RETURN_NONE;
+}
+
+/* Output written by the guest's C code through WASI (not sys.stdout), under the same cap. */
+static PyObject *Run_append(Run *run, PyObject *args) {
+    int fd;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "iy*", &fd, &data)) return NULL;
+    bool fits = append_output(run, fd, data.buf, (size_t)data.len, false);
+    PyBuffer_Release(&data);
+    return PyBool_FromLong(fits);
+}
+
+/* Everything the run produced, once: (stdout, stderr, stdout_truncated, stderr_truncated,
+ * limit name or None, (fault type, message) or None, exit code or None). */
+static PyObject *Run_outcome(Run *run, PyObject *unused) {
+    PyObject *limit = run->limit == LIMIT_NONE ? Py_NewRef(Py_None)
+                                               : PyUnicode_FromString(LIMIT_NAMES[run->limit]);
+    PyObject *fault_ = run->fault_type == NULL
+                           ? Py_NewRef(Py_None)
+                           : Py_BuildValue("(ss)", run->fault_type, run->fault_message);
+    PyObject *exit_code = run->exit_code < 0 ? Py_NewRef(Py_None)
+                                             : PyLong_FromLong(run->exit_code);
+    if (limit == NULL || fault_ == NULL || exit_code == NULL) {
+        Py_XDECREF(limit);
+        Py_XDECREF(fault_);
+        Py_XDECREF(exit_code);
+        return NULL;
+    }
+    pthread_mutex_lock(&run->output_lock); /* a WASI worker may still be writing */
+    PyObject *outcome = Py_BuildValue(
+        "(y#y#OONNN)", run->stdout_buf ? run->stdout_buf : "", (Py_ssize_t)run->stdout_len,
+        run->stderr_buf ? run->stderr_buf : "", (Py_ssize_t)run->stderr_len,
+        run->stdout_truncated ? Py_True : Py_False, run->stderr_truncated ? Py_True : Py_False,
+        limit, fault_, exit_code);
+    pthread_mutex_unlock(&run->output_lock);
+    return outcome;
+}
+
+static PyMethodDef Run_methods[] = {
+    {"interrupt", (PyCFunction)Run_interrupt, METH_NOARGS,
+     "Cancel the run from any thread; the guest traps within a tick."},
+    {"append", (PyCFunction)Run_append, METH_VARARGS,
+     "append(fd, data) -> bool: keep what fits under the output cap."},
+    {"outcome", (PyCFunction)Run_outcome, METH_NOARGS,
+     "(stdout, stderr, stdout_truncated, stderr_truncated, limit, fault, exit_code)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "wasibox_native.Run",
+    .tp_basicsize = sizeof(Run),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One run's host state on the native path.",
+    .tp_new = Run_new,
+    .tp_dealloc = (destructor)Run_dealloc,
+    .tp_methods = Run_methods,
+};
+
+/* ---- module functions -------------------------------------------------------------------- */
+
+static void *address(PyObject *value) {
+    void *pointer = PyLong_AsVoidPtr(value);
+    if (pointer == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a null pointer");
+    return pointer;
+}
+
+static PyObject *error_result(wasmtime_error_t *error) {
+    wasm_name_t message;
+    int status = 0;
+    bool exited = wasmtime_error_exit_status(error, &status);
+    wasmtime_error_message(error, &message);
+    wasmtime_error_delete(error);
+    PyObject *text = PyUnicode_DecodeUTF8(message.data, (Py_ssize_t)message.size, "replace");
+    wasm_byte_vec_delete(&message);
+    if (text == NULL) return NULL;
+    if (exited) return Py_BuildValue("(ONi)", Py_None, text, status);
+    return Py_BuildValue("(ONO)", Py_None, text, Py_None);
+}
+
+/* call(func, context, request, run) -> (reply str | None, error message | None, exit | None) */
+static PyObject *native_call(PyObject *module, PyObject *args) {
+    PyObject *func_address, *context_address;
+    Py_buffer request;
+    Run *run;
+    if (!PyArg_ParseTuple(args, "OOy*O!", &func_address, &context_address, &request, &RunType,
+                          &run))
+        return NULL;
+    const wasmtime_component_func_t *func = address(func_address);
+    wasmtime_context_t *context = func ? address(context_address) : NULL;
+    if (context == NULL) {
+        PyBuffer_Release(&request);
+        return NULL;
+    }
+    wasmtime_component_val_t param, result;
+    param.kind = VAL_STRING;
+    param.of.string.size = (size_t)request.len;
+    param.of.string.data = request.buf; /* borrowed for the call; Wasmtime copies it in */
+    memset(&result, 0, sizeof result);
+    Py_INCREF(run);
+    wasmtime_error_t *error;
+    Py_BEGIN_ALLOW_THREADS
+    run->deadline_ns = now_ns(CLOCK_MONOTONIC) + run->timeout_ns;
+    Run *outer = current_run;
+    current_run = run;
+    if (atomic_load(&run->cancelled)) error = stop(run, LIMIT_CANCELLED);
+    else error = wasmtime_component_func_call(func, context, &param, 1, &result, 1);
+    if (error == NULL) {
+        error = wasmtime_component_func_post_return(func, context);
+        if (error != NULL) wasmtime_component_val_delete(&result);
+    }
+    current_run = outer;
+    Py_END_ALLOW_THREADS
+    Py_DECREF(run);
+    PyBuffer_Release(&request);
+    if (error != NULL) return error_result(error);
+    PyObject *reply = NULL;
+    if (result.kind == VAL_STRING)
+        reply = PyUnicode_DecodeUTF8(result.of.string.data, (Py_ssize_t)result.of.string.size,
+                                     NULL);
+    else
+        PyErr_SetString(PyExc_TypeError, "the guest's execute returned no string");
+    wasmtime_component_val_delete(&result);
+    if (reply == NULL) return NULL;
+    return Py_BuildValue("(NOO)", reply, Py_None, Py_None);
+}
+
+/* arm(store): route the store's epoch deadline to the C callback. */
+static PyObject *native_arm(PyObject *module, PyObject *store_address) {
+    wasmtime_store_t *store = address(store_address);
+    if (store == NULL) return NULL;
+    wasmtime_store_epoch_deadline_callback(store, on_epoch_deadline, NULL, NULL);
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    const char *name;
+    wasmtime_component_func_callback_t callback;
+} HostFunc;
+
+typedef struct {
+    const char *name; /* %s is WASI's version */
+    HostFunc funcs[5];
+} HostInstance;
+
+static const HostInstance HOST_INSTANCES[] = {
+    {"wasibox:sandbox/runner@0.1.0", {{"start", host_start}}},
+    {"wasibox:sandbox/stdio@0.1.0", {{"write", host_write}}},
+    {"wasibox:sandbox/clock@0.1.0", {{"sleep", host_sleep}}},
+    {"wasibox:sandbox/process@0.1.0", {{"exit", host_exit}}},
+    {"wasibox:sandbox/entropy@0.1.0", {{"random-bytes", host_entropy}}},
+    {"wasi:clocks/monotonic-clock@%s",
+     {{"now", host_monotonic_now},
+      {"resolution", host_resolution},
+      {"subscribe-duration", host_subscribe_duration},
+      {"subscribe-instant", host_subscribe_instant}}},
+    {"wasi:clocks/wall-clock@%s",
+     {{"now", host_wall_now}, {"resolution", host_wall_resolution}}},
+    {"wasi:random/random@%s",
+     {{"get-random-bytes", host_random_bytes}, {"get-random-u64", host_random_u64}}},
+};
+
+static PyObject *define_failed(wasmtime_error_t *error) {
+    wasm_name_t message;
+    wasmtime_error_message(error, &message);
+    wasmtime_error_delete(error);
+    PyErr_Format(PyExc_RuntimeError, "could not define the native host functions: %.*s",
+                 (int)message.size, message.data);
+    wasm_byte_vec_delete(&message);
+    return NULL;
+}
+
+/* define(linker, wasi_version): define the C host functions on a component linker. */
+static PyObject *native_define(PyObject *module, PyObject *args) {
+    PyObject *linker_address;
+    const char *wasi_version;
+    if (!PyArg_ParseTuple(args, "Os", &linker_address, &wasi_version)) return NULL;
+    wasmtime_component_linker_t *linker = address(linker_address);
+    if (linker == NULL) return NULL;
+    wasmtime_component_linker_instance_t *root = wasmtime_component_linker_root(linker);
+    wasmtime_error_t *error = NULL;
+    size_t count = sizeof HOST_INSTANCES / sizeof HOST_INSTANCES[0];
+    for (size_t i = 0; i < count && error == NULL; i++) {
+        char name[128];
+        snprintf(name, sizeof name, HOST_INSTANCES[i].name, wasi_version);
+        wasmtime_component_linker_instance_t *instance = NULL;
+        error = wasmtime_component_linker_instance_add_instance(root, name, strlen(name),
+                                                                &instance);
+        for (size_t f = 0; error == NULL && f < 5 && HOST_INSTANCES[i].funcs[f].name; f++) {
+            const HostFunc *func = &HOST_INSTANCES[i].funcs[f];
+            error = wasmtime_component_linker_instance_add_func(
+                instance, func->name, strlen(func->name), func->callback, NULL, NULL);
+        }
+        if (instance != NULL) wasmtime_component_linker_instance_delete(instance);
+    }
+    wasmtime_component_linker_instance_delete(root);
+    if (error != NULL) return define_failed(error);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"call", native_call, METH_VARARGS,
+     "call(func, context, request, run): the guest's execute, with the GIL released."},
+    {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
+    {"define", native_define, METH_VARARGS,
+     "define(linker, wasi_version): the C host functions, on a component linker."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_wasibox_native",
+    "The native run path of wasibox's Wasmtime backend.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__wasibox_native(void) {
+    if (PyType_Ready(&RunType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
