@@ -29,6 +29,11 @@ __all__ = ["MEANINGS", "config_reference"]
 MEANINGS = {
     "server.max_body_bytes": "Largest request body `wasibox serve` reads; larger ones get 413.",
     "tenants.NAME.limits": "Per-run limits of this tenant's runs (the table below).",
+    "tenants.NAME.backend": "Where runs execute: `auto` takes the microVM only for code that "
+                            "needs it (numpy, pandas), `wasm` never, `microvm` always.",
+    "tenants.NAME.allow_emulation": "Let the microVM run under QEMU's software emulation "
+                                    "(TCG), which is not a security boundary; unset, the "
+                                    "`WASIBOX_ALLOW_EMULATION` environment variable decides.",
     "tenants.NAME.max_concurrency": "Runs of this tenant executing at once.",
     "tenants.NAME.max_queue": "Runs that may wait for a free slot; beyond that, 429 (`Busy`).",
     "tenants.NAME.rate_limit": "A token bucket on this tenant's requests (the table below); "
@@ -43,7 +48,8 @@ MEANINGS = {
     "tenants.NAME.http": "Mediated HTTP (the table below); unset: no network access.",
     "tenants.NAME.functions": "Host functions the guest may call (`import host`), by name: "
                               "`name = \"package.module:function\"`.",
-    "tenants.NAME.limits.fuel": "CPU budget in fuel units (deterministic).",
+    "tenants.NAME.limits.fuel": "CPU budget in fuel units (deterministic); unset, "
+                                "`ceil(timeout_s * 1e10)`, enough for the whole timeout.",
     "tenants.NAME.limits.memory_bytes": "Cap on the guest's memory; past it, `MemoryError`.",
     "tenants.NAME.limits.timeout_s": "Wall-clock budget of a run, in seconds.",
     "tenants.NAME.limits.output_bytes": "Cap on stdout and stderr together.",
@@ -212,6 +218,8 @@ def _default(model: type[BaseModel], name: str, field: FieldInfo) -> str:
     applies = _APPLIES.get(model)
     if value is None and applies is not None:
         default = next(f.default for f in dataclasses.fields(applies) if f.name == name)
+        if default is dataclasses.MISSING:  # worked out from other fields (fuel, from timeout_s)
+            return f"unset: derived (`wasibox.{applies.__name__}.{name}`)"
         return f"unset: {_shown(default, field)} (`wasibox.{applies.__name__}`)"
     if value is None:
         return "unset"
