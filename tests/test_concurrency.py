@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Busy, Limit, Limits, RunState, Sandbox
-from wasibox._control import RunControl
 from wasibox._files import STAGING_DIR
-from wasibox._result import Outcome
-from wasibox.backends.base import Backend, Job
+from wasibox.backends.base import Job, Outcome, RunControl
+from wasibox.backends.fake import FakeBackend
 from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
 
 from .conftest import open_fds
@@ -317,30 +316,25 @@ def test_the_warm_pool_is_sized_from_max_concurrency() -> None:
 
 # -- the admission logic, against a model --------------------------------------------------------
 
-class GatedBackend(Backend):
-    """A test double: each job "runs" until the test releases it or it is cancelled; its
-    output is its code. Records the order in which jobs started."""
-
-    name = "gated"
+class Gates:
+    """Answers the jobs of a FakeBackend: each job "runs" until the test releases it or it is
+    cancelled; its output is its code. Records the order in which jobs started."""
 
     def __init__(self) -> None:
         self.started: list[str] = []
         self.gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
 
-    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
-        assert control is not None
+    def handle(self, job: Job, control: RunControl) -> Outcome:
         gate = threading.Event()
         with self.lock:
             self.gates[job.code] = gate
             self.started.append(job.code)
-        control.enter(RunState.RUNNING)
         detach = control.on_cancel(gate.set)
         gate.wait()
         detach()
-        if control.cancelled:
-            return Outcome(limit_exceeded=Limit.CANCELLED)
-        return Outcome(stdout=job.code.encode())
+        # Cancelled: the FakeBackend reports it; a cancelled run produced nothing.
+        return Outcome() if control.cancelled else Outcome(stdout=job.code.encode())
 
     def release(self, code: str) -> None:
         wait_for(lambda: code in self.gates, f"{code} starts")
@@ -354,8 +348,9 @@ class GatedBackend(Backend):
                               st.just(("finish", 0))), max_size=30))
 def test_admission_matches_a_model(max_concurrency: int, max_queue: int,
                                    ops: list[tuple[str, int]]) -> None:
-    backend = GatedBackend()
-    sb = Sandbox(backend=backend, max_concurrency=max_concurrency, max_queue=max_queue)
+    backend = Gates()
+    sb = Sandbox(backend=FakeBackend(backend.handle), max_concurrency=max_concurrency,
+                 max_queue=max_queue)
     handles: dict[str, wasibox.RunHandle] = {}
     running: list[str] = []  # the model: admission order of runs holding a slot
     queued: list[str] = []

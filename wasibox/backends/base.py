@@ -1,4 +1,9 @@
-"""The one seam between the Sandbox and an engine: run one job, close."""
+"""The one seam between the Sandbox and an engine: run one job, close.
+
+A backend needs only the names here: it gets a ``Job`` (and a ``RunControl`` to report its
+phases and hear cancellation) and returns an ``Outcome``. ``backends/fake.py`` is the
+smallest complete one.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from .._result import Outcome
 if TYPE_CHECKING:
     from .._files import FileSession, Mount
 
-__all__ = ["Backend", "Job", "Policy"]
+__all__ = ["Backend", "Job", "Outcome", "Policy", "RunControl"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
