@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 
 def wasibox_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PYTHON, "-m", "wasibox._cli", *args], input=stdin,

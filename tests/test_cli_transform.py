@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 CODE = """\
 def transform(r):
     return {"id": int(r["id"]), "total": float(r["price"]) * int(r["qty"]), "note": r["note"]}

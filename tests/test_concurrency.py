@@ -24,6 +24,8 @@ from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
 
 from .conftest import open_fds
 
+pytestmark = pytest.mark.guest
+
 SPIN = "while True: pass"
 #: Long enough that only a cancellation can end these runs while a test watches them.
 PATIENT = Limits(fuel=10**15, timeout_s=60)

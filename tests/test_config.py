@@ -101,6 +101,7 @@ def test_hash_token_is_hex_sha256() -> None:
     ({**tenant(), "sever": {}}, "sever: unknown key"),
     ({**tenant(), "server": {"max_body_bytes": 0}}, "server.max_body_bytes"),
 ])
+@pytest.mark.guest
 def test_errors_name_the_bad_key(data: dict[str, Any], expected: str) -> None:
     assert expected in problems(data)
 
@@ -140,6 +141,7 @@ def test_host_functions_that_cannot_be_imported_name_their_key() -> None:
         config.tenants["alice"].resolve_functions("alice")
 
 
+@pytest.mark.guest
 def test_a_tenants_sandbox_enforces_its_policy() -> None:
     config = parse_config(tenant(limits={"fuel": 50_000_000}, seed=3, max_concurrency=2,
                                  max_queue=1))
@@ -149,6 +151,7 @@ def test_a_tenants_sandbox_enforces_its_policy() -> None:
         assert sb.run("while True: pass").fuel_used == 50_000_000
 
 
+@pytest.mark.guest
 def test_a_tenants_mounts_are_granted(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "numbers.txt").write_text("1 2 3")
@@ -178,6 +181,7 @@ def test_conflicting_mounts_name_the_tenant(tmp_path: Path) -> None:
         make_sandbox("alice", config.tenants["alice"])
 
 
+@pytest.mark.guest
 def test_a_tenants_host_functions_and_http_are_granted() -> None:
     config = parse_config(tenant(functions={"factorial": "math:factorial"},
                                  http={"allow": ["api.example.com"], "methods": ["GET"]}))
@@ -196,6 +200,7 @@ def test_an_http_policy_the_sandbox_refuses_names_its_key() -> None:
     assert "tenants.alice.http: " in message
 
 
+@pytest.mark.guest
 def test_loopback_endpoints_are_an_explicit_opt_in() -> None:
     config = parse_config(tenant(http={"allow_loopback_endpoints": ["127.0.0.1:8080",
                                                                    "[::1]:9000"]}))

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 import wasibox
 from tests.conftest import PYTHON, child_env
+
+pytestmark = pytest.mark.guest
 
 PROGRAM = """
 import random, time, os, uuid, datetime

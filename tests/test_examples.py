@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 

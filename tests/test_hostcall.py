@@ -25,6 +25,8 @@ from wasibox._hostcall import (
 )
 from wasibox._wire import MAX_DEPTH, ProtocolError, check_packed
 
+pytestmark = pytest.mark.guest
+
 BENIGN = "print(sum(range(10)))"
 #: An element cap no test value reaches.
 ELEMENTS = 2**20

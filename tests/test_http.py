@@ -27,6 +27,8 @@ from wasibox import Limit
 from wasibox._hostcall import DENIED_MESSAGE
 from wasibox._http import address_allowed, parse_url
 
+pytestmark = pytest.mark.guest
+
 BOMB = gzip.compress(bytes(32 * 2**20), compresslevel=9)  # 32 MiB of zeros in ~32 KiB
 SMALL_GZIP = gzip.compress(b"squeezed " * 100)
 

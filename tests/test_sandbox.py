@@ -10,6 +10,8 @@ import pytest
 import wasibox
 from wasibox import Limit
 
+pytestmark = pytest.mark.guest
+
 
 def test_run_reports_output_and_success(sandbox: wasibox.Sandbox) -> None:
     r = sandbox.run("print(1+1)")

@@ -20,6 +20,8 @@ from wasibox._config import hash_token
 
 from .conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token",
           "metered": "metered-secret-token", "narrow": "narrow-secret-token",
           "patient": "patient-secret-token", "files": "files-secret-token"}

@@ -17,6 +17,8 @@ import wasibox.testing as wt
 
 from .conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 #: Planted bug: crashes when the input has a NUL right after a digit.
 NUL_AFTER_DIGIT = textwrap.dedent("""\
     def parse(s: str) -> int:

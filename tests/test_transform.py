@@ -13,6 +13,8 @@ import wasibox
 
 from .conftest import PYTHON, child_env
 
+pytestmark = pytest.mark.guest
+
 TOTAL = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
 
 FLAKY = textwrap.dedent("""\

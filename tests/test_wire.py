@@ -29,6 +29,7 @@ def test_value_round_trips_with_msgpack_types() -> None:
     assert decode_reply(reply(value=packed(value)), 2**20, ELEMENTS).value == value
 
 
+@pytest.mark.guest
 def test_arguments_reach_the_guest_as_msgpack_delivers_them(
         sandbox: wasibox.Sandbox) -> None:
     code = "def f(*args, **kwargs):\n    return [repr(args), repr(kwargs)]"
@@ -56,6 +57,7 @@ def test_request_rejects_values_msgpack_cannot_carry() -> None:
     (reply(value="!!!not base64"), "not valid msgpack"),
     (reply(value=packed([[[[[[]]]]]] * 2)[:-3]), "not valid msgpack"),
 ])
+@pytest.mark.guest
 def test_malformed_replies_are_protocol_errors(text: str, problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem):
         decode_reply(text, 2**20, ELEMENTS)
@@ -74,6 +76,7 @@ def test_oversized_reply_is_refused_before_decoding() -> None:
         decode_reply(reply(value=packed("x" * 10_000)), 1_000, ELEMENTS)
 
 
+@pytest.mark.guest
 def test_a_guest_that_forges_its_reply_gets_a_protocol_error(
         sandbox: wasibox.Sandbox) -> None:
     forge = ("import sys\n"

@@ -12,6 +12,8 @@ from tests.conftest import open_fds
 from wasibox import Limit
 from wasibox.backends.wasm import runtime
 
+pytestmark = pytest.mark.guest
+
 BENIGN = "print(sum(range(10)))"
 
 

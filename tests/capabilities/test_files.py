@@ -23,6 +23,8 @@ from tests.conftest import PYTHON, child_env, open_fds
 from wasibox import Limit
 from wasibox._files import STAGING_DIR, FileSession
 
+pytestmark = pytest.mark.guest
+
 SECRET = b"host secret\n"
 
 

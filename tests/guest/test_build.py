@@ -6,8 +6,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 import wasibox
 from tests.conftest import PYTHON, child_env
+
+pytestmark = pytest.mark.guest
 
 PROBE = """
 import random

@@ -6,6 +6,8 @@ import pytest
 
 import wasibox
 
+pytestmark = pytest.mark.guest
+
 # Each module imports, and a small use of it gives a known answer.
 WORKS = {
     "json": "print(json.dumps({'a': [1, 2]}))",

@@ -21,6 +21,8 @@ import wasibox
 from tests.security.conftest import HostBaseline
 from wasibox._guest import cache_dir
 
+pytestmark = pytest.mark.guest
+
 CANARY = "wasibox-canary-4f1d8e2a9b7c"
 LIMITS = wasibox.Limits(fuel=800_000_000, memory_bytes="96MiB", timeout_s=10,
                         output_bytes=256 * 1024)

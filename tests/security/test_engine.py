@@ -175,6 +175,7 @@ _SMALL_STACK_HOST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.guest
 @pytest.mark.parametrize("stack_bytes", [256 * 1024, 1 << 20])
 def test_a_recursion_bomb_on_a_small_stack_thread_does_not_crash_the_host(
         stack_bytes: int) -> None:

@@ -14,6 +14,8 @@ import wasibox
 from tests.security.conftest import HostBaseline, run_in_child_host, take_baseline
 from wasibox import Limit
 
+pytestmark = pytest.mark.guest
+
 MEMORY_CAP = 96 * 2**20
 OUTPUT_CAP = 64 * 1024
 LIMITS = wasibox.Limits(fuel=800_000_000, memory_bytes=MEMORY_CAP, timeout_s=10,

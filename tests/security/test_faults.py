@@ -26,6 +26,8 @@ from tests.conftest import PYTHON, child_env
 from tests.security.conftest import take_baseline
 from wasibox._files import STAGING_DIR, FileSession
 
+pytestmark = pytest.mark.guest
+
 KILLS = 50
 FILES = 12
 FILE_BYTES = 128 * 1024

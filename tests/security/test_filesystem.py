@@ -21,6 +21,8 @@ from tests.capabilities.test_files import SECRET, snapshot
 from tests.security.conftest import HostBaseline, take_baseline
 from wasibox._files import MAX_DEPTH, STAGING_DIR
 
+pytestmark = pytest.mark.guest
+
 LIMITS = wasibox.Limits(fuel=5_000_000_000, timeout_s=30)
 
 

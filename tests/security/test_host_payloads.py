@@ -18,6 +18,8 @@ from tests.security.conftest import HostBaseline, run_in_child_host, take_baseli
 from tests.test_hostcall import RAW_CHANNEL
 from wasibox import Limit
 
+pytestmark = pytest.mark.guest
+
 
 def raises_system_exit() -> None:
     raise SystemExit(3)

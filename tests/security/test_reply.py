@@ -18,6 +18,8 @@ import wasibox
 from tests.conftest import PYTHON, child_env
 from tests.security.conftest import HostBaseline, run_in_child_host
 
+pytestmark = pytest.mark.guest
+
 FORGE = "import sys\nsys.modules['wasibox_guest']._encode = lambda *fields: {reply}\n"
 GOOD = '{"exit_code":0,"memory_error":false,"heap_top":0'
 

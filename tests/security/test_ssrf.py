@@ -25,6 +25,8 @@ import wasibox
 from tests.security.conftest import HostBaseline, take_baseline
 from wasibox._hostcall import DENIED_MESSAGE
 
+pytestmark = pytest.mark.guest
+
 GZIP_BOMB = gzip.compress(b"\0" * (64 * 2**20), compresslevel=9)  # 64 MiB in ~64 KiB
 
 

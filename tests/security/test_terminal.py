@@ -11,8 +11,12 @@ import os
 import pty
 import subprocess
 
+import pytest
+
 from tests.conftest import PYTHON, child_env
 from wasibox._terminal import inert
+
+pytestmark = pytest.mark.guest
 
 HOSTILE = ("import sys\n"
            "print('\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\x00\\r\\x08ok')\n"
