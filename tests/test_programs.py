@@ -25,6 +25,8 @@ from tests.backends.test_microvm import vm_runtime  # noqa: F401
 from tests.conftest import PYTHON, child_env
 from wasibox import Mount, UsageError
 
+pytestmark = pytest.mark.guest
+
 MAIN = textwrap.dedent("""\
     import importlib.resources
     import importlib.util

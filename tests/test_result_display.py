@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html.parser
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,7 @@ def result(stdout: str = "", stderr: str = "", error: GuestException | None = No
                      backend="wasm", value=value)
 
 
+@pytest.mark.guest
 def test_a_real_run_shows_its_outcome(sandbox: wasibox.Sandbox) -> None:
     ok = sandbox.run("print(6 * 7)")
     assert repr(ok).startswith("<RunResult ok fuel_used=") and "stdout='42\\n'" in repr(ok)

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 import wasibox
 from tests.conftest import RUN_PATHS, run_path_backend
 
+pytestmark = pytest.mark.guest
+
 #: The state a run sees, then the scribbling. Fixed text, so every run loads the same code;
 #: the drawn data arrives as arguments of fixed sizes, so decoding them allocates the same.
 PROGRAM = '''

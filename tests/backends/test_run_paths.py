@@ -22,6 +22,8 @@ from wasibox.backends import _native, wasm
 from wasibox.backends.base import Job, Policy
 from wasibox.backends.wasm import WasmBackend, runtime
 
+pytestmark = pytest.mark.guest
+
 PROGRAMS = {
     "print": "print(1+1)",
     "clocks": "import time\nprint(time.time(), time.monotonic_ns(), time.perf_counter())\n"

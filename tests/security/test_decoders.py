@@ -43,6 +43,8 @@ from wasibox._wire import (
 )
 from wasibox.backends.microvm import MAX_FRAME_ELEMENTS, Channel
 
+pytestmark = pytest.mark.guest
+
 #: What one decoded element may cost the host, at most (wasibox/_wire.py; ~110 measured).
 HOST_BYTES_PER_ELEMENT = 128
 #: What a refusal may allocate, whatever the size of what it refuses (msgpack's Packer,

@@ -36,6 +36,8 @@ from wasibox._files import STAGING_DIR, FilesError, FileSession
 from wasibox._result import Outcome
 from wasibox.backends.base import Backend, Job
 
+pytestmark = pytest.mark.guest
+
 QUOTA = 1_000
 LIMITS = wasibox.Limits(fuel=10_000_000_000, timeout_s=60)
 

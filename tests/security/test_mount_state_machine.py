@@ -41,6 +41,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -48,6 +49,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 import wasibox
 from tests.security.test_mount_quota import held, published, staging_tree
 from wasibox._files import STAGING_DIR
+
+pytestmark = pytest.mark.guest
 
 NAMES = ("a", "b", "d", "d/a", "d/b")
 #: The mount's starting content (None: a directory); staging links these to the host's.

@@ -21,6 +21,8 @@ from hypothesis import given, settings
 import wasibox
 from tests.security.conftest import HostBaseline, take_baseline
 
+pytestmark = pytest.mark.guest
+
 TOKEN = "wasibox-reader-canary-7f3a"
 
 READERS = """\
