@@ -138,6 +138,8 @@ class _Run:
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
                  "fault", "exit_code", "started", "log", "host_calls", "cancelled")
+    #: Whether Python serves this run's entropy (seeded by ``rng``); the native path's is C's.
+    python_entropy = True
 
     def __init__(self, job: Job, store: wasmtime.Store) -> None:
         self.job = job
@@ -157,7 +159,8 @@ class _Run:
         self.slept_ns = 0
         self.started = False
         policy = job.policy
-        self.rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+        self.rng = (random.Random(policy.seed)
+                    if policy.entropy == "seeded" and self.python_entropy else None)
         #: The run's capability log, shared by every capability.
         self.log: list[CapabilityEvent] = []
         self.host_calls: HostCalls | None = None
@@ -266,6 +269,7 @@ class _NativeRun(_Run):
     what Python still serves (files, host functions, HTTP) uses the fields of ``_Run``."""
 
     __slots__ = ("module", "native")
+    python_entropy = False  # the seeded generator lives in C: no Python Random to make
 
     def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType) -> None:
         super().__init__(job, store)
