@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import wasibox
-from wasibox._config import hash_token, load_config, parse_config
-from wasibox._server import make_sandbox
+from wasibox.services.config import hash_token, load_config, parse_config
+from wasibox.services.serve import make_sandbox
 
 DIGEST = hash_token("token")
 

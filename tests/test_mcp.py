@@ -27,10 +27,10 @@ from mcp import Client, StdioServerParameters  # noqa: E402
 
 from tests import mcp_functions  # noqa: E402
 from tests.conftest import PYTHON, child_env  # noqa: E402
-from wasibox._config import load_config, parse_config  # noqa: E402
 from wasibox._errors import UsageError  # noqa: E402
 from wasibox._limits import FUEL_PER_SECOND, Limits  # noqa: E402
-from wasibox._mcp import (  # noqa: E402
+from wasibox.services.config import load_config, parse_config  # noqa: E402
+from wasibox.services.mcp import (  # noqa: E402
     McpPolicy,
     WorkspaceStore,
     _confine,

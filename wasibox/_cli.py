@@ -322,7 +322,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ._server import serve
+    from .services.serve import serve
 
     try:
         return serve(args.config, args.host, args.port, log_level=args.log_level)
@@ -339,7 +339,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         print(f"wasibox: error: 'wasibox mcp' needs the mcp package ({exc}); "
               "install it with: pip install 'wasibox[mcp]'", file=sys.stderr)
         return EXIT_WASIBOX_ERROR
-    from ._mcp import serve_mcp
+    from .services.mcp import serve_mcp
 
     try:
         return serve_mcp(args.config, tenant=args.tenant, transport=args.transport,
@@ -351,7 +351,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from ._config_reference import config_reference
+    from .services.config_reference import config_reference
 
     sys.stdout.write(config_reference())
     return 0

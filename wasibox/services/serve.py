@@ -47,12 +47,12 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ._concurrency import RunHandle
-from ._config import Config, LimitsConfig, TenantConfig, hash_token
-from ._errors import Busy, ConfigError, UsageError, WasiboxError
-from ._result import RunResult
-from ._sandbox import Sandbox
-from ._version import __version__
+from .._concurrency import RunHandle
+from .._errors import Busy, ConfigError, UsageError, WasiboxError
+from .._result import RunResult
+from .._sandbox import Sandbox
+from .._version import __version__
+from .config import Config, LimitsConfig, TenantConfig, hash_token
 
 __all__ = ["CallRequest", "RunRequest", "create_app", "make_sandbox", "serve"]
 
@@ -263,7 +263,7 @@ class _Metrics:
             runner = tenant.sandbox._runner
             self.queue.labels(tenant.name).set(runner.queued)
             self.active.labels(tenant.name).set(runner.active)
-        from .backends.wasm import runtime
+        from ..backends.wasm import runtime
 
         ready, target = runtime().pool_status()
         self.pool.set(ready)
@@ -545,7 +545,7 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8080, *,
     """
     import uvicorn
 
-    from ._config import load_config
+    from .config import load_config
 
     config = load_config(config_path)
     for name, tenant in config.tenants.items():
