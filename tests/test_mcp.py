@@ -764,7 +764,7 @@ def test_a_tenant_chooses_its_backend_and_emulation() -> None:
 def test_errors_for_a_model_name_configuration_keys_not_python_api() -> None:
     # Real errors from the code that raises them; a runtime double stands for the machine.
     from wasibox.backends.base import Job, Policy
-    from wasibox.backends.microvm import MicroVMBackend
+    from wasibox.backends.microvm.backend import MicroVMBackend
 
     @dataclasses.dataclass
     class Machine:

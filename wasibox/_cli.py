@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
                     "parse it: its type, default, bounds and meaning.")
     reference.set_defaults(handler=_cmd_config_reference)
 
-    from ._vm_cli import add_microvm_command
+    from .backends.microvm.cli import add_microvm_command
 
     add_microvm_command(commands)
 
@@ -383,8 +383,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("guest", cached_guest_state()),
         ("kvm", kvm_state),
     ]
-    from ._vm_cli import doctor_rows
     from .backends import wasm
+    from .backends.microvm.cli import doctor_rows
 
     rows += wasm.doctor_rows() + doctor_rows()
     width = max(len(name) for name, _ in rows)

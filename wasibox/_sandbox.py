@@ -291,7 +291,7 @@ class Sandbox:
         lacking = wasm_lacks(job.code, self.requires)
         if not lacking:
             return self._backend
-        from .backends.microvm import microvm_available, vm_modules
+        from .backends.microvm.backend import microvm_available, vm_modules
 
         if not (microvm_available() and lacking & vm_modules()):
             return self._backend
@@ -414,7 +414,7 @@ def _make_backend(backend: str | Backend, allow_emulation: bool | None = None, *
 
         return WasmBackend(pool_size=pool_size)
     if backend == "microvm":
-        from .backends.microvm import MicroVMBackend
+        from .backends.microvm.backend import MicroVMBackend
 
         return MicroVMBackend(allow_emulation=allow_emulation)
     raise UsageError("backend must be 'auto', 'wasm', 'microvm' or a Backend instance, "

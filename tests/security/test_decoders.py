@@ -41,7 +41,7 @@ from wasibox._wire import (
     max_elements,
     unpack,
 )
-from wasibox.backends.microvm import MAX_FRAME_ELEMENTS, Channel
+from wasibox.backends.microvm.backend import MAX_FRAME_ELEMENTS, Channel
 
 pytestmark = pytest.mark.guest
 

@@ -243,5 +243,6 @@ def _meaning(key: str, field: FieldInfo, used: set[str]) -> str:
         used.add(key)
     if not meaning:
         raise LookupError(f"the configuration key {key} has no meaning: give its field a "
-                          "description, or add it to MEANINGS in wasibox/services/config_reference.py")
+                          "description, or add it to MEANINGS in "
+                          "wasibox/services/config_reference.py")
     return meaning.replace("|", "\\|")
