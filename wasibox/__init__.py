@@ -21,12 +21,12 @@ from ._errors import (
 from ._events import CapabilityEvent
 from ._files import FileRecord, Mount, RefusedFile
 from ._guest import guest_digest
-from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
 from ._transform import Failed, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
+from .capabilities.http import HttpPolicy
 
 __all__ = [
     "Busy",

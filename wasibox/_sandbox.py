@@ -12,11 +12,11 @@ from ._concurrency import RunHandle, Runner
 from ._control import RunControl
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
 from ._files import FileSession, Mount, check_mounts, run_with_files
-from ._hostcall import check_functions
-from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
+from .capabilities.hostcall import check_functions
+from .capabilities.http import HttpPolicy
 
 __all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 

@@ -48,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import ConfigError, UsageError
 from .._files import Mount
-from .._http import HttpPolicy
 from .._limits import Limits, parse_size
+from ..capabilities.http import HttpPolicy
 
 __all__ = [
     "Config",

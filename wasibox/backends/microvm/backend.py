@@ -79,12 +79,12 @@ from ..._control import RunControl, RunState
 from ..._errors import EmulationRefused, UsageError, WasiboxError
 from ..._events import CapabilityEvent
 from ..._guest import cache_dir, file_lock
-from ..._hostcall import HostCalls, StopRun
-from ..._http import HttpGate
 from ..._limits import Limit, Limits
 from ..._progress import Reporter, heartbeat, library_reporter
 from ..._result import GuestException, Outcome
 from ..._wire import unpack
+from ...capabilities.hostcall import HostCalls, StopRun
+from ...capabilities.http import HttpGate
 from ..base import Backend, Job
 from .files import CopyIn, CopyOut, QuotaExceeded
 from .image import ImageConfig, VMImage, ensure_image, image_modules
