@@ -12,7 +12,7 @@ as ``ENOSPC``/``EDQUOT``, a per-run cap on open files (``EMFILE``), per-run stag
 publish step, refusal of planted links/FIFOs/devices, or an audit of what was written. So the
 guest gets *no* preopens at all, and the guest runner routes ``open``, ``os.*`` and everything
 built on them (pathlib, csv over files, shutil, os.walk, tempfile) through the ``files``
-interface (``capabilities/files/files.wit``); everything here is ordinary host Python, checked
+interface (``guest/wit/files.wit``); everything here is ordinary host Python, checked
 before it touches the disk. Bypassing the guest's Python-level patches reaches nothing: there
 is no WASI directory to reach.
 
@@ -148,7 +148,7 @@ MAX_DEPTH = 32
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY_CHUNK = 1 << 20
 
-# The bits of the `open` flags parameter (capabilities/files/files.wit).
+# The bits of the `open` flags parameter (guest/wit/files.wit).
 F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
     1 << i for i in range(9))
 
@@ -271,7 +271,7 @@ class StatInfo:
     ctime: int
 
     def encode(self) -> str:
-        """The wire form (capabilities/files/files.wit, ``fstat``)."""
+        """The wire form (guest/wit/files.wit, ``fstat``)."""
         return " ".join(map(str, (_KINDS.index(self.kind), self.mode, self.size, self.ino,
                                   self.dev, self.nlink, self.atime, self.mtime, self.ctime)))
 

@@ -240,7 +240,7 @@ class _Run:
 
     # -- host functions and HTTP ---------------------------------------------------------
     def host_call(self, name: str, payload: str) -> cm.Variant:
-        """One call through the host channel (capabilities/host/host.wit)."""
+        """One call through the host channel (guest/wit/host.wit)."""
         if self.host_calls is None:
             policy = self.job.policy
             self.host_calls = HostCalls(

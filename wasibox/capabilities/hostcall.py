@@ -13,7 +13,7 @@ every denial.
 
 It is backend-agnostic: a backend hands each call from its guest to ``HostCalls.handle`` and
 turns ``StopRun`` into the end of the run. The built-in HTTP client (``capabilities/http.py``) is
-one more function behind the same channel. The contract is ``capabilities/host/host.wit``.
+one more function behind the same channel. The contract is ``guest/wit/host.wit``.
 """
 
 from __future__ import annotations
