@@ -76,7 +76,7 @@ from typing import Any, Literal
 import msgpack
 
 from ..._control import RunControl, RunState
-from ..._errors import EmulationRefused, UsageError, WasiboxError
+from ..._errors import EmulationRefused, UsageError, VMError
 from ..._events import CapabilityEvent
 from ..._guest import cache_dir, file_lock
 from ..._limits import Limit, Limits
@@ -114,10 +114,6 @@ ALLOW_EMULATION_ENV = "WASIBOX_ALLOW_EMULATION"
 _PR_SET_PDEATHSIG = 1
 #: The guest's virtual wall clock starts here unless the policy grants the real clock.
 VIRTUAL_EPOCH_NS = 1_704_067_200 * 10**9
-
-
-class VMError(WasiboxError):
-    """The VM could not be started or snapshotted (not something the guest did)."""
 
 
 def emulation_allowed(explicit: bool | None) -> bool:
