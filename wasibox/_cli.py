@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from ._errors import EmulationRefused, UsageError, WasiboxError
+from ._errors import EmulationRefused, UsageError, WasiboxError, fuel_advice
 from ._files import Mount, guest_path_for
-from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
+from ._limits import FUEL_PER_SECOND, Limit, Limits
 from ._terminal import inert
 from ._version import __version__
 
@@ -237,7 +237,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
-    mounts = [_mount(text) for text in args.mount]
+    from ._cli_data import parse_mount
+
+    mounts = [parse_mount(text) for text in args.mount]
     if args.scratch:
         mounts.append(Mount.scratch(args.scratch))
     filename, python_path = None, []
@@ -296,14 +298,6 @@ def _env(items: Sequence[str]) -> dict[str, str]:
         env[name] = value
     return env
 
-
-def _mount(text: str) -> Mount:
-    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
-    host, _, rest = text.partition(":")
-    guest, _, mode = rest.partition(":")
-    if not host or not guest or mode not in ("", "ro", "rw"):
-        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
-    return Mount(host, guest, writable=mode == "rw")
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

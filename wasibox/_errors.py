@@ -43,6 +43,7 @@ __all__ = [
     "UsageError",
     "VMError",
     "WasiboxError",
+    "fuel_advice",
 ]
 
 
@@ -154,6 +155,13 @@ class GuestError(WasiboxError):
                            self.__dict__))
 
 
+def fuel_advice(fuel_used: int) -> str:
+    """The words for a run that ran out of fuel: how much it used and how to give it more."""
+    return (f"the run exceeded its fuel limit (its deterministic CPU budget) after using "
+            f"{fuel_used:,} units; raise it with Limits(fuel=...), --fuel on the command line, "
+            "or limits.fuel in a configuration file")
+
+
 class LimitExceeded(WasiboxError):
     """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept.
 
@@ -163,8 +171,6 @@ class LimitExceeded(WasiboxError):
     index: int | None = None
 
     def __init__(self, limit: Limit, result: RunResult | None = None) -> None:
-        from ._limits import fuel_advice  # _limits imports this module
-
         self.limit = limit
         self.result = result
         if limit.value == "fuel" and result is not None:

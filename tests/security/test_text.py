@@ -32,8 +32,7 @@ from hypothesis import strategies as st
 import wasibox
 import wasibox.testing
 from wasibox._events import CapabilityEvent
-from wasibox._files import FileRecord, RefusedFile
-from wasibox._result import GuestException, RunResult, json_value
+from wasibox._result import FileRecord, GuestException, RefusedFile, RunResult, json_value
 from wasibox.services.config import hash_token
 
 from ..conftest import PYTHON, child_env
