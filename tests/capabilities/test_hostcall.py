@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,8 @@ def big(size: int) -> bytes:
     return b"x" * size
 
 
-FUNCTIONS = {"lookup": lookup, "echo": echo, "fails": fails, "unencodable": unencodable,
-             "big": big}
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "lookup": lookup, "echo": echo, "fails": fails, "unencodable": unencodable, "big": big}
 
 
 @pytest.fixture(scope="module")
