@@ -30,7 +30,7 @@ pytestmark = pytest.mark.guest
 BENIGN = "print(sum(range(10)))"
 #: An element cap no test value reaches.
 ELEMENTS = 2**20
-HOST_PATHS = (str(Path(__file__).resolve().parent.parent), str(Path.home()), "/tmp", "/usr/lib")
+HOST_PATHS = (str(Path(__file__).resolve().parents[2]), str(Path.home()), "/tmp", "/usr/lib")
 
 
 def lookup(customer_id: int) -> dict[str, Any]:

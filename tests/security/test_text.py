@@ -36,7 +36,7 @@ from wasibox._result import FileRecord, GuestException, RefusedFile, RunResult, 
 from wasibox.services.config import hash_token
 
 from ..conftest import PYTHON, child_env
-from ..test_server import TOKENS, Server
+from ..services.test_serve import TOKENS, Server
 
 pytestmark = pytest.mark.guest
 T = TypeVar("T")
@@ -386,7 +386,7 @@ def mcp(request: pytest.FixtureRequest,
     pytest.importorskip("mcp", reason="the mcp package (the 'mcp' extra) is not installed")
     from mcp import Client, StdioServerParameters
 
-    from ..test_mcp import http_client, http_server
+    from ..services.test_mcp import http_client, http_server
 
     root = tmp_path_factory.mktemp(f"mcp-text-{request.param}")
     config = root / "agent.toml"

@@ -18,7 +18,7 @@ import pytest
 
 from wasibox.services.config import hash_token
 
-from .conftest import PYTHON, child_env
+from ..conftest import PYTHON, child_env
 
 pytestmark = pytest.mark.guest
 

@@ -107,8 +107,8 @@ def test_errors_name_the_bad_key(data: dict[str, Any], expected: str) -> None:
 
 
 def test_a_tenant_needs_no_token_and_chooses_its_backend() -> None:
-    # The token is for `wasibox serve` (which refuses a tenant without one: tests/test_server.py);
-    # a stdio MCP server needs none.
+    # The token is for `wasibox serve` (which refuses a tenant without one:
+    # tests/services/test_serve.py); a stdio MCP server needs none.
     config = parse_config({"tenants": {"agent": {"backend": "microvm", "allow_emulation": True,
                                                  "limits": {"memory_bytes": "256MiB"}},
                                        "other": {}}})
