@@ -22,13 +22,13 @@ from ._errors import (
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._files import Mount
 from ._guest import guest_digest
 from ._limits import Limit, Limits
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
 from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
+from .capabilities.files.mount import Mount
 from .capabilities.http import HttpPolicy
 
 __all__ = [

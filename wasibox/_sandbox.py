@@ -11,10 +11,12 @@ from typing import Any, Literal
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl, RunState
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
-from ._files import FileSession, Mount, QuotaExceeded, check_mounts
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
+from .capabilities.files.mount import Mount, check_mounts
+from .capabilities.files.session import FileSession
+from .capabilities.files.staging import QuotaExceeded
 from .capabilities.hostcall import check_functions
 from .capabilities.http import HttpPolicy
 

@@ -18,7 +18,8 @@ from .._result import Outcome
 from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
-    from .._files import FileSession, Mount
+    from ..capabilities.files.mount import Mount
+    from ..capabilities.files.session import FileSession
 
 __all__ = ["Backend", "Job", "Outcome", "Policy", "RunControl"]
 

@@ -47,8 +47,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import ConfigError, UsageError
-from .._files import Mount
 from .._limits import Limits, parse_size
+from ..capabilities.files.mount import Mount
 from ..capabilities.http import HttpPolicy
 
 __all__ = [

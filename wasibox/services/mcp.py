@@ -57,11 +57,11 @@ from mcp.types import CallToolResult, TextContent
 from pydantic import BaseModel, Field
 
 from .._errors import ConfigError, UsageError, WasiboxError
-from .._files import STAGING_DIR, Mount
 from .._limits import Limit, Limits
 from .._result import RunResult, json_value
 from .._sandbox import Sandbox
 from .._version import __version__
+from ..capabilities.files.mount import STAGING_DIR, Mount
 from ..capabilities.hostcall import HostCalls, StopRun, host_error_message
 from .config import Config, TenantConfig, load_config
 
