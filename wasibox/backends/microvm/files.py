@@ -54,7 +54,7 @@ from typing import Any
 
 from ..._errors import UsageError
 from ...capabilities.files.mount import MAX_DEPTH, STAGING_DIR, Mount
-from ...capabilities.files.session import FileSession, encodable
+from ...capabilities.files.session import MAX_NAME, MAX_PATH, FileSession, encodable
 from ...capabilities.files.staging import QuotaExceeded
 from ...capabilities.files.walk import DIR_FLAGS, FILE_FLAGS, Blocked, walk
 
@@ -67,8 +67,6 @@ FRAME_DATA = 1 << 20
 #: Entries in one frame (the host decodes arrays of at most 1024 items from the guest).
 FRAME_ENTRIES = 512
 PAGE = 4096
-_MAX_NAME = 255
-_MAX_PATH = 4096
 
 
 def copy_in_caps(memory_bytes: int) -> tuple[int, int]:
@@ -496,14 +494,14 @@ def _guest(target: _Target, parts: tuple[str, ...]) -> str:
 def _parts(rel: object) -> tuple[str, ...]:
     """The components of a relative path from the guest; ValueError for anything a real
     directory walk could not have produced."""
-    if not isinstance(rel, str) or not rel or len(rel) > _MAX_PATH:
+    if not isinstance(rel, str) or not rel or len(rel) > MAX_PATH:
         raise ValueError("a files entry with a malformed path")
     parts = tuple(rel.split("/"))
     for part in parts:
         if part in ("", ".", "..") or "\x00" in part:
             raise ValueError(f"a files entry with a forbidden path: {rel!r}")
         try:
-            if len(part.encode("utf-8")) > _MAX_NAME:
+            if len(part.encode("utf-8")) > MAX_NAME:
                 raise ValueError(f"a files entry with a name too long: {rel[:80]!r}")
         except UnicodeEncodeError:
             raise ValueError("a files entry whose path is not UTF-8") from None

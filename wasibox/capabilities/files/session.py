@@ -35,6 +35,8 @@ __all__ = [
     "F_READ",
     "F_TRUNC",
     "F_WRITE",
+    "MAX_NAME",
+    "MAX_PATH",
     "MAX_READ",
     "FileSession",
     "FilesError",
@@ -46,8 +48,9 @@ __all__ = [
 FD_BASE = 256
 #: Largest read served in one call; the guest's buffered reader asks for less.
 MAX_READ = 16 * 2**20
-_MAX_PATH = 4096
-_MAX_NAME = 255
+#: Longest guest path, and longest name in it (in bytes of UTF-8), as Linux allows.
+MAX_PATH = 4096
+MAX_NAME = 255
 
 # The bits of the `open` flags parameter (guest/wit/files.wit).
 F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
@@ -202,10 +205,10 @@ class FileSession:
         directory of the virtual tree above the mounts. Raises FilesError."""
         if not isinstance(path, str) or "\x00" in path or not path.startswith("/"):
             raise FilesError("inval")
-        if len(path) > _MAX_PATH:
+        if len(path) > MAX_PATH:
             raise FilesError("nametoolong")
         parts = lexical_parts(path)
-        if any(len(part.encode("utf-8", "surrogatepass")) > _MAX_NAME for part in parts):
+        if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in parts):
             raise FilesError("nametoolong")
         wants_dir = path.endswith(("/", "/.", "/..")) or path.rstrip("/") == ""
         for prefix, mounted in self._table:
