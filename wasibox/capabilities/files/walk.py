@@ -60,12 +60,16 @@ def walk(root_fd: int, parts: Sequence[str], *, create: bool = False,
 
     With ``create``, a missing directory on the way is made (mode 0o755) and then opened
     like any other; an OSError making it (a full disk) propagates as it is. A component named
-    ``hidden`` counts as missing (and is never made). Raises Blocked at the first component
-    that cannot be walked.
+    ``hidden`` counts as missing (and is never made). A component that is not one name
+    (empty, ``.``, ``..``, or holding ``/`` or NUL) is refused with ``EINVAL``, whatever the
+    caller checked before: the walk itself never leaves the root. Raises Blocked at the
+    first component that cannot be walked.
     """
     fd = os.dup(root_fd)
     try:
         for part in parts:
+            if part in ("", ".", "..") or "/" in part or "\x00" in part:
+                raise Blocked(part, OSError(errno.EINVAL, os.strerror(errno.EINVAL)))
             if part == hidden:
                 raise Blocked(part, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)))
             try:
