@@ -125,11 +125,12 @@ MAX_COMPILED_BYTES = 8 * 2**20
 COMPILER_RECYCLE_AFTER = 1000
 #: ... and as soon as its heap has grown past this, since linear memory never shrinks.
 COMPILER_HEAP_BYTES = 64 * 2**20
-#: What every instance runs before it serves a run: the paths a typical run takes (compile,
-#: exec, print, call, return a value), so that their pages are already copied.
+#: What every instance runs before it serves a run: the paths a typical run takes (load the
+#: compiled program, exec, print, call, return a value), so that their pages are already
+#: copied. Its code is compiled once per runtime, in a guest (see ``_priming_request``):
+#: compiling it in every instance cost a third of a fresh instance's CPU.
 PRIMING_JOB = Job(op="call", code="def prime():\n    print('wasibox')\n    return [1]",
                   entry="prime", limits=Limits(), policy=Policy())
-_PRIMING_REQUEST = encode_request(PRIMING_JOB.request())
 
 
 class _Run:
@@ -622,6 +623,7 @@ class WasmRuntime:
         self.linker.add_wasip2()
         _define_host(self.linker)
         self.ticker = _Ticker(self.engine)
+        self._priming_request = _priming_request(self)
         self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
         self._pool_size = pool_size
         self._base_pool_size = pool_size
@@ -632,9 +634,16 @@ class WasmRuntime:
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
                     ) -> tuple[wasmtime.Store, Any]:
-        """A fresh store and instance of the guest for ``run_path`` (by default this
+        """A fresh, primed store and instance of the guest for ``run_path`` (by default this
         runtime's), and its ``execute`` export."""
         native = self.native.module if (run_path or self.run_path) == "native" else None
+        store, execute = self._new_instance(native)
+        _prime(store, execute, native, self._priming_request)
+        return store, execute
+
+    def _new_instance(self, native: ModuleType | None) -> tuple[wasmtime.Store, Any]:
+        """A fresh store and instance (not primed) for the native path if ``native``, else
+        for the Python path; raises GuestBuildError if the guest exports no ``execute``."""
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
         store = wasmtime.Store(self.engine)
@@ -654,7 +663,6 @@ class WasmRuntime:
                                   "rebuild it with `wasibox prepare`")
         if native is not None:
             native.arm(_address(store.ptr()))  # the epoch deadline, decided in C
-        _prime(store, execute, native)
         return store, execute
 
     def take(self) -> tuple[wasmtime.Store, Any]:
@@ -733,10 +741,25 @@ class WasmRuntime:
             self._pool_cond.notify_all()
 
 
-def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None) -> None:
-    """Run ``PRIMING_JOB`` in a new instance; its output and reply are dropped."""
+def _priming_request(runtime_: WasmRuntime) -> str:
+    """The request every instance of ``runtime_`` is primed with: ``PRIMING_JOB`` with its
+    code compiled, in a fresh instance of the guest made for that alone (the marshalled code
+    is data a guest made, and only guests load it). Should that compile fail, the source
+    alone: every instance is still primed the same way."""
+    fields = PRIMING_JOB.request()
+    store, execute = runtime_._new_instance(None)
+    compiled, _ = _compile_in(runtime_, store, execute, PRIMING_JOB)
+    if compiled is not None:
+        fields["compiled"] = compiled
+    return encode_request(fields)
+
+
+def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None,
+           request: str) -> None:
+    """Run ``PRIMING_JOB`` (``request``) in a new instance; its output and reply are
+    dropped."""
     run = _Run(PRIMING_JOB, store) if native is None else _NativeRun(PRIMING_JOB, store, native)
-    call_with_stack(lambda: _call_guest(run, execute, _PRIMING_REQUEST), MIN_HOST_STACK)
+    call_with_stack(lambda: _call_guest(run, execute, request), MIN_HOST_STACK)
 
 
 _runtime: WasmRuntime | None = None
@@ -928,28 +951,11 @@ class _Compiler:
             self._instance, self._compiles = self._runtime.instantiate("python"), 0
         store, execute = self._instance
         self._compiles += 1
-        run = _Run(job, store)  # for its limits; compiling writes no output
-        request = encode_request({"op": "compile", "code": job.code, "seed": 0,
-                                  **({"filename": job.filename}
-                                     if job.filename != "<sandbox>" else {})})
-        store.set_fuel(job.limits.fuel)
-        store.set_limits(memory_size=job.limits.memory_bytes)
-        with self._runtime.ticker:
-            store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
-            try:
-                # Compiling a hostile source recurses too: the same stack rule as a run.
-                text = call_with_stack(lambda: _call_guest(run, execute, request),
-                                       MIN_HOST_STACK)
-                reply = decode_reply(text or "", MAX_COMPILED_BYTES,
-                                     max_elements(job.limits.memory_bytes))
-            except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
-                self._instance = None  # an instance that trapped is never used again
-                return None
-        if reply.heap_top > COMPILER_HEAP_BYTES:
-            self._instance = None  # linear memory never shrinks: start afresh
-        if reply.error is not None or type(reply.value) is not bytes:
-            return None
-        return reply.value
+        compiled, reusable = _compile_in(self._runtime, store, execute, job)
+        if not reusable:
+            self._instance = None
+        return compiled
+
 
     def close(self) -> None:
         """Drop the compiler instance and the cache, for good: a run still finishing after
@@ -969,6 +975,36 @@ class _Compiler:
         while self._cache_bytes > COMPILE_CACHE_BYTES:
             (old_name, old_code), old_compiled = self._cache.popitem(last=False)
             self._cache_bytes -= len(old_name) + len(old_code) + len(old_compiled)
+def _compile_in(runtime_: WasmRuntime, store: wasmtime.Store, execute: Any,
+                job: Job) -> tuple[bytes | None, bool]:
+    """Compile ``job.code`` in the Python-path instance ``execute``, under ``job.limits``.
+
+    Returns the marshalled code object (None if it does not compile), and whether the
+    instance may compile again: not after a trap, nor once its heap has grown past
+    COMPILER_HEAP_BYTES (linear memory never shrinks). Never raises for the guest's doing.
+    """
+    run = _Run(job, store)  # for its limits; compiling writes no output
+    request = encode_request({"op": "compile", "code": job.code, "seed": 0,
+                              **({"filename": job.filename}
+                                 if job.filename != "<sandbox>" else {})})
+    store.set_fuel(job.limits.fuel)
+    store.set_limits(memory_size=job.limits.memory_bytes)
+    with runtime_.ticker:
+        store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
+        try:
+            # Compiling a hostile source recurses too: the same stack rule as a run.
+            text = call_with_stack(lambda: _call_guest(run, execute, request),
+                                   MIN_HOST_STACK)
+            reply = decode_reply(text or "", MAX_COMPILED_BYTES,
+                                 max_elements(job.limits.memory_bytes))
+        except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
+            return None, False  # an instance that trapped is never used again
+    reusable = reply.heap_top <= COMPILER_HEAP_BYTES
+    if reply.error is not None or type(reply.value) is not bytes:
+        return None, reusable
+    return reply.value, reusable
+
+
 def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
 
