@@ -34,6 +34,7 @@ Wasmtime's own errors are converted to wasibox results in one place, ``_classify
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import functools
@@ -638,6 +639,7 @@ class WasmRuntime:
         _define_host(self.linker)
         self.ticker = _Ticker(self.engine)
         self._priming_request = _priming_request(self)
+        _runtimes.add(self)
         self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
         self._pool_size = pool_size
         self._base_pool_size = pool_size
@@ -768,12 +770,33 @@ class WasmRuntime:
                     return
                 self._pool.append(slot)
 
-    def close(self) -> None:
+    def close(self, *, wait_s: float = 0.0) -> None:
+        """Drop the pool and stop the filler; wait up to ``wait_s`` for it to end."""
         with self._pool_cond:
             self._closed = True
             self._pool.clear()
             self._discards.clear()
             self._pool_cond.notify_all()
+            filler = self._filler
+        if filler is not None and filler is not threading.current_thread():
+            filler.join(wait_s)
+
+
+#: Every runtime made in this process, for ``_stop_fillers``.
+_runtimes: weakref.WeakSet[WasmRuntime] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_fillers() -> None:
+    """Stop every pool filler before the interpreter finalizes.
+
+    During finalization CPython ends a daemon thread that takes the GIL with pthread_exit.
+    The filler makes, primes and drops instances, and inside Wasmtime those call back into
+    Python (host functions, wasmtime-py's output callbacks and their finalizers): ended
+    there, the thread would unwind through Wasmtime's Rust frames, which aborts the process.
+    """
+    for each in list(_runtimes):
+        each.close(wait_s=5.0)
 
 
 def _priming_request(runtime_: WasmRuntime) -> str:
