@@ -26,7 +26,7 @@ from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
 from ._limits import Limits
 from ._select import parse
-from ._transform import BATCH_REPLY_LIMIT
+from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
 from .capabilities.files.mount import Mount
 
@@ -156,7 +156,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("output", metavar="OUTPUT", help="where to write ('-' for stdout)")
     transform.add_argument("--entry", default="transform",
                            help="the function to apply (default: %(default)s)")
-    transform.add_argument("--batch-size", type=int, default=1000,
+    transform.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                            help="records per sandbox instance (default: %(default)s)")
     transform.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                            help="stop at the first failed record, or skip failed records "
