@@ -14,6 +14,7 @@ from ._errors import (
     GuestBuildError,
     GuestError,
     LimitExceeded,
+    NativeOnlyPackage,
     SandboxClosed,
     UsageError,
     WasiboxError,
@@ -23,6 +24,7 @@ from ._files import FileRecord, Mount, RefusedFile
 from ._guest import guest_digest
 from ._http import HttpPolicy
 from ._limits import Limit, Limits
+from ._packages import Packages
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
 from ._transform import Failed, Transform, TransformProgress, TransformSpec
@@ -43,6 +45,8 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "Mount",
+    "NativeOnlyPackage",
+    "Packages",
     "RefusedFile",
     "RunHandle",
     "RunResult",

@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from ._errors import EmulationRefused, UsageError, WasiboxError
 from ._files import Mount, guest_path_for
@@ -66,6 +66,36 @@ def _limits_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cap on stdout+stderr; the run stops past it (default: %(default)s)")
 
 
+def package_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--package`` (repeatable) and where pip finds packages, for a command's sandbox."""
+    group = parser.add_argument_group(
+        "packages (pure-Python wheels, built into the guest's snapshot once per set)")
+    group.add_argument("--package", action="append", default=[], metavar="REQUIREMENT",
+                       dest="packages",
+                       help="a package for the guest, such as 'attrs' or 'pyyaml==6.0.2', "
+                            "resolved with pip (wheels only: no package code runs on this "
+                            "machine); repeatable")
+    group.add_argument("--find-links", action="append", default=[], metavar="DIR",
+                       help="also look for wheels in DIR (a wheelhouse); repeatable")
+    group.add_argument("--index-url", metavar="URL",
+                       help="the package index to use instead of pip's configured one")
+    group.add_argument("--no-index", action="store_true",
+                       help="use only --find-links, no package index")
+
+
+def package_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Sandbox option ``packages`` from ``package_arguments``' flags (none if none)."""
+    if not args.packages:
+        if args.find_links or args.index_url or args.no_index:
+            raise UsageError("--find-links, --index-url and --no-index say where to find "
+                             "packages: add the packages with --package")
+        return {}
+    from ._packages import Packages
+
+    return {"packages": Packages(requirements=tuple(args.packages), index_url=args.index_url,
+                                 find_links=tuple(args.find_links), no_index=args.no_index)}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wasibox", description=_DESCRIPTION,
@@ -114,13 +144,19 @@ def _parser() -> argparse.ArgumentParser:
     program.add_argument("--no-stdin", action="store_true",
                          help="give the guest an empty stdin; by default it reads this "
                               "command's stdin to its end, unless that is a terminal")
+    package_arguments(run)
     run.set_defaults(handler=_cmd_run)
 
     prepare = commands.add_parser(
         "prepare", help="build and compile the guest now, so the first run is fast",
         description="Build the guest component (about 20 s) and compile it for this machine "
                     "(about 10-30 s), with progress. Both are cached; running this again is "
-                    "instant.")
+                    "instant. With --package, build the guest for that package set instead "
+                    "(resolved with pip; a minute or two, once per set).",
+        epilog="example:\n  wasibox prepare --package attrs --package 'pyyaml==6.0.2' "
+               "--find-links ./wheelhouse",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    package_arguments(prepare)
     prepare.set_defaults(handler=_cmd_prepare)
 
     serve = commands.add_parser(
@@ -257,7 +293,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
                  entropy="real" if args.real_entropy else "seeded", mounts=mounts,
                  backend=args.backend, allow_emulation=args.allow_emulation,
-                 python_path=python_path) as sandbox:
+                 python_path=python_path, **package_options(args)) as sandbox:
         argv0 = filename or ("-c" if args.code is not None else "-")
         result = sandbox.run(code, stdin=stdin, filename=filename, env=_env(args.env),
                              argv=[argv0, *args.script_args])
@@ -308,16 +344,21 @@ def _mount(text: str) -> Mount:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from ._guest import ensure_guest
+    from ._packages import resolve
     from ._progress import stderr_reporter
     from .backends.wasm import runtime
 
     report = stderr_reporter(min_interval_s=2.0)
     started = time.perf_counter()
-    artifact = ensure_guest(report)
-    rt = runtime(progress=report)
+    wanted = package_options(args).get("packages")
+    package_set = resolve(wanted, report) if wanted is not None else None
+    artifact = ensure_guest(report, package_set)
+    rt = runtime(progress=report, artifact=artifact if package_set is not None else None)
     report(f"ready in {time.perf_counter() - started:.1f}s")
     print(f"guest sha256 {artifact.digest}")
     print(f"guest minimum memory {rt.min_memory_bytes} bytes")
+    if package_set is not None:
+        print(f"package set {package_set.digest}: {', '.join(package_set.pins)}")
     return 0
 
 
@@ -358,7 +399,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from ._guest import cache_dir, cached_guest_state
+    from ._guest import cache_dir, cached_guest_state, cached_package_guests
 
     def version(dist: str) -> str:
         try:
@@ -381,6 +422,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("componentize-py", version("componentize-py")),
         ("cache", str(cache_dir())),
         ("guest", cached_guest_state()),
+        *(("package set", line) for line in cached_package_guests() or ["none built"]),
         ("kvm", kvm_state),
     ]
     from ._vm_cli import doctor_rows

@@ -143,6 +143,7 @@ def write_records(handle: IO[bytes], fmt: str, records: Iterable[Any]) -> int:
 
 def add_commands(commands: Any, limits_arguments: Any) -> None:
     """Add ``transform`` and ``fuzz`` to the CLI's subcommands."""
+    from ._cli import package_arguments
     transform = commands.add_parser(
         "transform", help="apply a Python function to every record of a file, sandboxed",
         description="Apply the function ENTRY of CODE_FILE to every record of INPUT, in "
@@ -165,6 +166,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("--no-progress", action="store_true",
                            help="no progress bar, even on a terminal")
     _mount_argument(transform, "CODE_FILE")
+    package_arguments(transform)
     limits_arguments(transform)
     transform.set_defaults(handler=_cmd_transform)
 
@@ -195,6 +197,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
                       help="where to save each failure's example for its replay line "
                            "(default: a new temporary directory)")
     _mount_argument(fuzz, "FILE")
+    package_arguments(fuzz)
     limits_arguments(fuzz)
     fuzz.set_defaults(handler=_cmd_fuzz)
 
@@ -318,6 +321,7 @@ def _check_entry(transform: Any, code: str, entry: str, code_file: str) -> None:
 
 
 def _cmd_transform(args: argparse.Namespace) -> int:
+    from ._cli import package_options
     from ._errors import GuestError, LimitExceeded
     from ._transform import Transform, progress_bar
 
@@ -325,7 +329,8 @@ def _cmd_transform(args: argparse.Namespace) -> int:
     in_format, out_format = format_of(args.input), format_of(args.output)
     transform = Transform(code, args.entry, limits=_limits(args), seed=args.seed,
                           on_error=args.on_error, batch_size=args.batch_size,
-                          **_script_options(args.code_file, args.mount))
+                          **_script_options(args.code_file, args.mount),
+                          **package_options(args))
     try:
         _check_entry(transform, code, args.entry, args.code_file)
     except BaseException:
@@ -365,13 +370,14 @@ def _cmd_transform(args: argparse.Namespace) -> int:
 
 
 def _cmd_fuzz(args: argparse.Namespace) -> int:
+    from ._cli import package_options
     from .testing import fuzz, replay
 
     code = _read_code(args.file)
     clock: Literal["virtual", "real"] = "real" if args.real_clock else "virtual"
     if args.replay_file is not None:
         args.replay = _read_code(args.replay_file)
-    options = _script_options(args.file, args.mount)
+    options = {**_script_options(args.file, args.mount), **package_options(args)}
     if args.replay is not None:
         result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock,
                         **options)

@@ -10,7 +10,8 @@
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
         ├── ConfigError           a service configuration file is invalid (names the key)
-        └── EmulationRefused      the microVM would need software emulation, not allowed
+        ├── EmulationRefused      the microVM would need software emulation, not allowed
+        └── NativeOnlyPackage     a requested package has no pure-Python wheel for wasm
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -33,6 +34,7 @@ __all__ = [
     "GuestBuildError",
     "GuestError",
     "LimitExceeded",
+    "NativeOnlyPackage",
     "SandboxClosed",
     "UsageError",
     "WasiboxError",
@@ -85,6 +87,18 @@ class EmulationRefused(UsageError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuilt, (type(self), (self.opt_in,), self.args, self.__dict__))
+
+
+class NativeOnlyPackage(UsageError):
+    """A package asked for with ``packages=`` has only native wheels (extension modules),
+    and the wasm guest runs pure-Python wheels only. ``package`` names it."""
+
+    def __init__(self, package: str, message: str) -> None:
+        self.package = package
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.package, self.args[0]), self.args, self.__dict__))
 
 
 class GuestBuildError(WasiboxError):

@@ -167,6 +167,9 @@ class RunResult:
     #: What isolated the guest: "wasm" (Wasmtime), or for the microVM "kvm" (hardware
     #: virtualization) or "tcg" (QEMU's software emulation, not a security boundary).
     isolation: str = "wasm"
+    #: The package set the guest had (``name==version`` of each wheel, sorted); empty
+    #: without ``packages=``. Results are deterministic per (guest digest, package set).
+    packages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Backends build results from guest text; so does dataclasses.replace. Cleaning here
@@ -268,10 +271,15 @@ class Outcome:
     #: Every decision a capability made during the run, in order.
     capability_log: tuple[CapabilityEvent, ...] = ()
     isolation: str = "wasm"
+    #: The package set the guest had (``name==version`` of each wheel, sorted); empty
+    #: without ``packages=``. Results are deterministic per (guest digest, package set).
+    packages: tuple[str, ...] = ()
 
 
-def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
-    """Combine a backend's measurements with the guest's decoded reply."""
+def build_result(outcome: Outcome, backend: str, reply_limit: int,
+                 packages: tuple[str, ...] = ()) -> RunResult:
+    """Combine a backend's measurements with the guest's decoded reply; ``packages`` is
+    the package set the guest had."""
     exit_code = outcome.exit_code
     error = outcome.fault
     value = None
@@ -317,4 +325,5 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
         value=value,
         capability_log=outcome.capability_log,
         isolation=outcome.isolation,
+        packages=packages,
     )

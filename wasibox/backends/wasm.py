@@ -740,6 +740,7 @@ def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None) -> No
 
 
 _runtime: WasmRuntime | None = None
+_derived_runtimes: dict[str, WasmRuntime] = {}  # by guest digest: guests with packages
 _runtime_lock = threading.Lock()
 
 
@@ -770,10 +771,21 @@ def _checked_run_path(run_path: RunPath | None) -> RunPath:
     return chosen  # type: ignore[return-value]
 
 
-def runtime(progress: Reporter | None = None) -> WasmRuntime:
-    """The process-wide runtime, made on first use (building the guest if needed)."""
+def runtime(progress: Reporter | None = None,
+            artifact: GuestArtifact | None = None) -> WasmRuntime:
+    """The process-wide runtime, made on first use (building the guest if needed).
+
+    With ``artifact`` (a guest derived for a package set), the process-wide runtime of that
+    guest: each guest has its own engine, compiled component and warm pool.
+    """
     global _runtime
     with _runtime_lock:
+        if artifact is not None:
+            derived = _derived_runtimes.get(artifact.digest)
+            if derived is None:
+                derived = _derived_runtimes[artifact.digest] = WasmRuntime(
+                    artifact, progress=progress)
+            return derived
         if _runtime is None:
             _runtime = WasmRuntime(progress=progress)
         return _runtime
