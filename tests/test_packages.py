@@ -9,24 +9,26 @@ only); they skip, naming PyPI, only when PyPI cannot be reached.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wasibox
 from wasibox import NativeOnlyPackage, Packages, UsageError
 from wasibox._cli import main
 from wasibox._config import parse_config
-from wasibox._guest import cache_dir, guest_digest
+from wasibox._guest import cache_dir, file_sha256, guest_digest
 from wasibox._packages import PackageSet, Wheel, resolve, unpack
 
 from .conftest import PYTHON, child_env
@@ -66,7 +68,10 @@ def _pure_pyyaml_wheelhouse(directory: Path) -> Path:
                 data = b"".join(line for line in data.splitlines(keepends=True)
                                 if not line.startswith((b"Tag:", b"Root-Is-Purelib:")))
                 data += b"Root-Is-Purelib: true\nTag: py3-none-any\n"
-            pure.writestr(info.filename, data)
+            # The member's own timestamp: the same native wheel makes the same pure one, so
+            # the package set (and its built guest) is the same from one session to the next.
+            pure.writestr(zipfile.ZipInfo(info.filename, date_time=info.date_time), data,
+                          compress_type=zipfile.ZIP_DEFLATED)
     return house
 
 
@@ -285,8 +290,6 @@ def _cached_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
             info = zipfile.ZipInfo(symlink)
             info.external_attr = (0o120777 << 16)
             archive.writestr(info, "/etc/passwd")
-    from wasibox._guest import file_sha256
-
     wheel = Wheel("evil", "1.0", source.name, file_sha256(source))
     package_set = PackageSet((wheel,), "0" * 64)
     kept = package_set.wheel_path(wheel)
@@ -305,6 +308,33 @@ def test_unpacking_refuses_paths_outside_the_site(monkeypatch: pytest.MonkeyPatc
         unpack(package_set, site)
     assert not (tmp_path / "escape.py").exists()
     assert not (tmp_path / "build" / "escape.py").exists()
+
+
+_MEMBER = st.lists(st.sampled_from(["..", ".", "", "a", "b.py", "C:", "x\\..", "/", "\x00",
+                                     "a.data", "purelib", "__pycache__", "m.so"]),
+                   min_size=1, max_size=5).map("/".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_MEMBER, min_size=1, max_size=4, unique=True))
+def test_unpacking_writes_only_inside_the_site(names: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            try:
+                package_set = _cached_set(monkeypatch, root, dict.fromkeys(names, b"x"))
+            except (ValueError, IndexError, FileExistsError):
+                return  # a name zipfile itself cannot write
+            site = root / "build" / "site"
+            site.mkdir(parents=True)
+            try:
+                unpack(package_set, site)
+            except UsageError:
+                pass
+        written = {path for path in root.rglob("*") if path.is_file()}
+        outside = {path for path in written if site not in path.parents
+                   and (root / "cache") not in path.parents and path.suffix != ".whl"}
+        assert not outside
 
 
 def test_unpacking_refuses_symlinks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -409,8 +439,6 @@ def test_no_package_code_runs_on_the_host(tmp_path: Path) -> None:
     (project / "setup.py").write_text(f"open({str(mark)!r}, 'w').close()\n"
                                       "from setuptools import setup\nsetup(name='marker', "
                                       "version='1.0')\n")
-    import tarfile
-
     with tarfile.open(house / "marker-1.0.tar.gz", "w:gz") as archive:
         archive.add(project, arcname="marker-1.0")
     with pytest.raises(UsageError, match="no wheel of marker"):

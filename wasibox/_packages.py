@@ -218,15 +218,19 @@ def unpack(package_set: PackageSet, directory: Path) -> None:
                 if budget < 0:
                     raise UsageError(f"the package set unpacks to more than "
                                      f"{MAX_UNPACKED_BYTES // 2**20} MiB (at {wheel.filename})")
-                destination = directory.joinpath(*target)
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                with archive.open(info) as source, open(destination, "wb") as sink:
+                with archive.open(info) as source:
                     # Read at most what the header promised, plus one byte to catch a lie.
                     data = source.read(info.file_size + 1)
-                    if len(data) > info.file_size:
-                        raise UsageError(f"{wheel.filename}: {info.filename} is larger than "
-                                         "its zip header says")
-                    sink.write(data)
+                if len(data) > info.file_size:
+                    raise UsageError(f"{wheel.filename}: {info.filename} is larger than its "
+                                     "zip header says")
+                destination = directory.joinpath(*target)
+                try:
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    destination.write_bytes(data)
+                except OSError as exc:  # e.g. a file where another member needs a directory
+                    raise UsageError(f"{wheel.filename}: cannot unpack {info.filename!r} "
+                                     f"({exc.strerror})") from None
 
 
 # -- internals ----------------------------------------------------------------------------------
@@ -348,13 +352,13 @@ def _member_target(info: zipfile.ZipInfo, wheel: Wheel) -> tuple[str, ...] | Non
     """Where a wheel member goes, as path parts under the site; None to leave it out."""
     name = info.filename
     parts = tuple(name.split("/"))
-    if (name.startswith("/") or "\\" in name or ".." in parts or "" in parts[:-1]
-            or (parts and ":" in parts[0])):
+    if name.endswith("/"):
+        return None  # a directory entry: directories are made for the files in them
+    if (not name or name.startswith("/") or "\\" in name or "\x00" in name or ":" in parts[0]
+            or any(part in ("", ".", "..") for part in parts)):
         raise UsageError(f"{wheel.filename} holds an unsafe path: {name!r}")
     if stat.S_ISLNK(info.external_attr >> 16):
         raise UsageError(f"{wheel.filename} holds a symlink: {name!r}")
-    if info.is_dir() or not parts[-1]:
-        return None
     if parts[0].endswith(".data"):
         if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
             return None  # scripts, headers and data files are not importable
