@@ -140,6 +140,7 @@ class MountConfig(_Strict):
     writable: bool = False
     quota_bytes: Size | None = None
     quota_files: int | None = Field(default=None, gt=0)
+    c_access: bool = False
 
     @pydantic.field_validator("host", mode="after")
     @classmethod
@@ -164,7 +165,8 @@ class MountConfig(_Strict):
         if self.quota_files is not None:
             quotas["quota_files"] = self.quota_files
         try:
-            return Mount(self.host, self.guest, writable=self.writable, **quotas)
+            return Mount(self.host, self.guest, writable=self.writable,
+                         c_access=self.c_access, **quotas)
         except UsageError as exc:
             raise ValueError(str(exc)) from None
 

@@ -79,6 +79,9 @@ MEANINGS = {
     "tenants.NAME.mounts.writable": "Whether runs may change it; changes are published only "
                                     "when a run ends ok.",
     "tenants.NAME.mounts.quota_bytes": "Byte quota of a writable mount (past it, `ENOSPC`).",
+    "tenants.NAME.mounts.c_access": "Show a writable mount to C code in the guest too "
+                                    "(`sqlite3` databases): its staging holds private copies "
+                                    "of its files, and its runs get a new instance.",
     "tenants.NAME.mounts.quota_files": "Files and directories a writable mount may hold "
                                        "(past it, `EDQUOT`).",
     "tenants.NAME.http.allow_loopback_endpoints": "Exact services on the host's loopback "

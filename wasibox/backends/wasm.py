@@ -45,7 +45,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -631,9 +631,10 @@ class WasmRuntime:
         self._closed = False
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
-                    ) -> tuple[wasmtime.Store, Any]:
+                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
         """A fresh store and instance of the guest for ``run_path`` (by default this
-        runtime's), and its ``execute`` export."""
+        runtime's), and its ``execute`` export. ``preopens`` are (host directory, guest
+        path) pairs the guest's C code sees, writable (``FileSession.preopens``)."""
         native = self.native.module if (run_path or self.run_path) == "native" else None
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
@@ -642,6 +643,8 @@ class WasmRuntime:
         slot = _output_slots[store] = _OutputSlot()
         wasi.stdout_custom = _c_output(1, slot)
         wasi.stderr_custom = _c_output(2, slot)
+        for host, guest in preopens:
+            wasi.preopen_dir(host, guest, True)
         store.set_wasi(wasi)
         store.set_fuel(_INSTANTIATION_FUEL)
         store.set_epoch_deadline(2**62)
@@ -841,10 +844,11 @@ class WasmBackend(Backend):
             request = encode_request(fields)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        preopens = job.files.preopens() if job.files is not None else []
         try:
-            # The pool holds instances for the runtime's own path only.
-            store, execute = (rt.take() if self.run_path == rt.run_path
-                              else rt.instantiate(self.run_path))
+            # The pool holds instances for the runtime's own path, without preopens, only.
+            store, execute = (rt.take() if self.run_path == rt.run_path and not preopens
+                              else rt.instantiate(self.run_path, preopens))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if self.run_path == "native" else None
