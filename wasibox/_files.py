@@ -570,11 +570,7 @@ class _Mounted:
             dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=dst_fd)
             try:
-                while chunk := os.read(src, _COPY_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(dst, view):]
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                _copy_contents(src, dst, st)
                 copied = os.fstat(dst)
             finally:
                 os.close(dst)
@@ -600,6 +596,15 @@ class _Mounted:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+
+
+def _copy_contents(src: int, dst: int, st: os.stat_result) -> None:
+    """Copy the open file ``src`` into ``dst``, then give ``dst`` the times in ``st``."""
+    while chunk := os.read(src, _COPY_CHUNK):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _height(parent_fd: int, name: str) -> int:
@@ -1105,11 +1110,7 @@ class FileSession:
             dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=parent)
             try:
-                while chunk := os.read(src, _COPY_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(dst, view):]
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                _copy_contents(src, dst, st)
                 copied = os.fstat(dst)
             finally:
                 os.close(dst)
