@@ -11,7 +11,7 @@ import wasibox
 EXPECTED = {
     "Busy", "CapabilityEvent", "ConfigError", "EmulationRefused", "Failed", "FileRecord",
     "GuestBuildError", "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded",
-    "Limits", "Mount",
+    "Limits", "Mount", "NativeOnlyPackage", "Packages",
     "RefusedFile", "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed",
     "Transform", "TransformProgress", "TransformSpec", "UsageError", "WasiboxError",
     "guest_digest", "run",
