@@ -36,16 +36,20 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import sys
 import tempfile
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._errors import NativeOnlyPackage, UsageError
 from ._guest import cache_dir, file_lock, file_sha256
 from ._progress import Reporter, library_reporter
+
+# subprocess and zipfile are imported where they are used: `import wasibox` imports this
+# module (for Packages), and a run without packages should not pay for them at cold start.
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = [
     "GUEST_PYTHON",
@@ -203,6 +207,8 @@ def unpack(package_set: PackageSet, directory: Path) -> None:
     set recorded (its hash), holds an unsafe path or a symlink, or unpacks past
     MAX_UNPACKED_BYTES.
     """
+    import zipfile
+
     budget = MAX_UNPACKED_BYTES
     for wheel in package_set.wheels:
         path = package_set.wheel_path(wheel)
@@ -290,6 +296,8 @@ def _pip_command(packages: Packages, destination: Path, *, pure: bool) -> list[s
 
 def _download(packages: Packages, destination: Path, report: Reporter) -> None:
     """pip download the set's pure wheels; raises NativeOnlyPackage / UsageError."""
+    import subprocess
+
     command = [*_pip_command(packages, destination, pure=True), *packages.requirements]
     lines = []
     try:
@@ -329,6 +337,8 @@ def _download(packages: Packages, destination: Path, report: Reporter) -> None:
 
 def _native_wheel(packages: Packages, requirement: str) -> str | None:
     """The file name of a native wheel of ``requirement`` for this host, if it has one."""
+    import subprocess
+
     with tempfile.TemporaryDirectory(prefix="wasibox-wheels-") as scratch:
         command = [*_pip_command(packages, Path(scratch), pure=False), requirement]
         result = subprocess.run(command, capture_output=True, text=True, errors="replace",
