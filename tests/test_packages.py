@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 import wasibox
 from wasibox import NativeOnlyPackage, Packages, UsageError
 from wasibox._cli import main
-from wasibox._config import parse_config
-from wasibox._guest import cache_dir, file_sha256, guest_digest
-from wasibox._packages import PackageSet, Wheel, resolve, unpack
+from wasibox._guest import cache_dir, file_sha256
+from wasibox._packages import PackageSet, Wheel, guest_digest, resolve
+from wasibox.services.config import parse_config
 
 from .conftest import PYTHON, child_env
 
@@ -305,7 +305,7 @@ def test_unpacking_refuses_paths_outside_the_site(monkeypatch: pytest.MonkeyPatc
     package_set = _cached_set(monkeypatch, tmp_path, {"evil/__init__.py": b"", name: b"x"})
     site = tmp_path / "build" / "site"
     with pytest.raises(UsageError, match="unsafe path"):
-        unpack(package_set, site)
+        package_set.unpack(site)
     assert not (tmp_path / "escape.py").exists()
     assert not (tmp_path / "build" / "escape.py").exists()
 
@@ -328,7 +328,7 @@ def test_unpacking_writes_only_inside_the_site(names: list[str]) -> None:
             site = root / "build" / "site"
             site.mkdir(parents=True)
             try:
-                unpack(package_set, site)
+                package_set.unpack(site)
             except UsageError:
                 pass
         written = {path for path in root.rglob("*") if path.is_file()}
@@ -341,7 +341,7 @@ def test_unpacking_refuses_symlinks(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     package_set = _cached_set(monkeypatch, tmp_path, {"evil/__init__.py": b""},
                               symlink="evil/passwd")
     with pytest.raises(UsageError, match="symlink"):
-        unpack(package_set, tmp_path / "site")
+        package_set.unpack(tmp_path / "site")
     assert not (tmp_path / "site" / "evil" / "passwd").exists()
 
 
@@ -353,7 +353,7 @@ def test_unpacking_keeps_pure_python_only(monkeypatch: pytest.MonkeyPatch,
         "evil-1.0.data/scripts/run": b"#!/bin/sh\n", "evil-1.0.dist-info/METADATA": b"Name: evil\n",
     })
     site = tmp_path / "site"
-    unpack(package_set, site)
+    package_set.unpack(site)
     found = sorted(str(path.relative_to(site)) for path in site.rglob("*") if path.is_file())
     assert found == ["evil-1.0.dist-info/METADATA", "evil/__init__.py", "evil/data.json",
                      "extra.py"]
@@ -364,7 +364,7 @@ def test_a_changed_cached_wheel_is_never_used(monkeypatch: pytest.MonkeyPatch,
     package_set = _cached_set(monkeypatch, tmp_path, {"evil/__init__.py": b""})
     package_set.wheel_path(package_set.wheels[0]).write_bytes(b"tampered")
     with pytest.raises(UsageError, match="does not match its recorded sha256"):
-        unpack(package_set, tmp_path / "site")
+        package_set.unpack(tmp_path / "site")
 
 
 def test_the_set_digest_follows_the_wheels() -> None:

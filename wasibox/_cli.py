@@ -10,11 +10,11 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
-from ._errors import EmulationRefused, UsageError, WasiboxError
+from ._errors import EmulationRefused, UsageError, WasiboxError, fuel_advice
 from ._files import Mount, guest_path_for
-from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
+from ._limits import FUEL_PER_SECOND, Limit, Limits
 from ._terminal import inert
 from ._version import __version__
 
@@ -66,36 +66,6 @@ def _limits_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cap on stdout+stderr; the run stops past it (default: %(default)s)")
 
 
-def package_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--package`` (repeatable) and where pip finds packages, for a command's sandbox."""
-    group = parser.add_argument_group(
-        "packages (pure-Python wheels, built into the guest's snapshot once per set)")
-    group.add_argument("--package", action="append", default=[], metavar="REQUIREMENT",
-                       dest="packages",
-                       help="a package for the guest, such as 'attrs' or 'pyyaml==6.0.2', "
-                            "resolved with pip (wheels only: no package code runs on this "
-                            "machine); repeatable")
-    group.add_argument("--find-links", action="append", default=[], metavar="DIR",
-                       help="also look for wheels in DIR (a wheelhouse); repeatable")
-    group.add_argument("--index-url", metavar="URL",
-                       help="the package index to use instead of pip's configured one")
-    group.add_argument("--no-index", action="store_true",
-                       help="use only --find-links, no package index")
-
-
-def package_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The Sandbox option ``packages`` from ``package_arguments``' flags (none if none)."""
-    if not args.packages:
-        if args.find_links or args.index_url or args.no_index:
-            raise UsageError("--find-links, --index-url and --no-index say where to find "
-                             "packages: add the packages with --package")
-        return {}
-    from ._packages import Packages
-
-    return {"packages": Packages(requirements=tuple(args.packages), index_url=args.index_url,
-                                 find_links=tuple(args.find_links), no_index=args.no_index)}
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wasibox", description=_DESCRIPTION,
@@ -144,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     program.add_argument("--no-stdin", action="store_true",
                          help="give the guest an empty stdin; by default it reads this "
                               "command's stdin to its end, unless that is a terminal")
+    from ._cli_data import package_arguments  # beside transform and fuzz, which take it too
+
     package_arguments(run)
     run.set_defaults(handler=_cmd_run)
 
@@ -230,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
                     "parse it: its type, default, bounds and meaning.")
     reference.set_defaults(handler=_cmd_config_reference)
 
-    from ._vm_cli import add_microvm_command
+    from .backends.microvm.cli import add_microvm_command
 
     add_microvm_command(commands)
 
@@ -258,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from ._cli_data import package_options
     from ._sandbox import STDIN_LIMIT_FACTOR, Sandbox
 
     if args.code is not None:
@@ -273,7 +246,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
-    mounts = [_mount(text) for text in args.mount]
+    from ._cli_data import parse_mount
+
+    mounts = [parse_mount(text) for text in args.mount]
     if args.scratch:
         mounts.append(Mount.scratch(args.scratch))
     filename, python_path = None, []
@@ -333,16 +308,9 @@ def _env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _mount(text: str) -> Mount:
-    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
-    host, _, rest = text.partition(":")
-    guest, _, mode = rest.partition(":")
-    if not host or not guest or mode not in ("", "ro", "rw"):
-        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
-    return Mount(host, guest, writable=mode == "rw")
-
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    from ._cli_data import package_options
     from ._guest import ensure_guest
     from ._packages import resolve
     from ._progress import stderr_reporter
@@ -363,7 +331,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ._server import serve
+    from .services.serve import serve
 
     try:
         return serve(args.config, args.host, args.port, log_level=args.log_level)
@@ -380,7 +348,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         print(f"wasibox: error: 'wasibox mcp' needs the mcp package ({exc}); "
               "install it with: pip install 'wasibox[mcp]'", file=sys.stderr)
         return EXIT_WASIBOX_ERROR
-    from ._mcp import serve_mcp
+    from .services.mcp import serve_mcp
 
     try:
         return serve_mcp(args.config, tenant=args.tenant, transport=args.transport,
@@ -392,7 +360,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from ._config_reference import config_reference
+    from .services.config_reference import config_reference
 
     sys.stdout.write(config_reference())
     return 0
@@ -425,8 +393,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         *(("package set", line) for line in cached_package_guests() or ["none built"]),
         ("kvm", kvm_state),
     ]
-    from ._vm_cli import doctor_rows
     from .backends import wasm
+    from .backends.microvm.cli import doctor_rows
 
     rows += wasm.doctor_rows() + doctor_rows()
     width = max(len(name) for name, _ in rows)

@@ -24,12 +24,14 @@ import msgpack
 
 from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
+from ._files import Mount
 from ._limits import Limits
 from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT
 from ._wire import ProtocolError
 
-__all__ = ["FORMATS", "add_commands", "format_of", "read_records", "write_records"]
+__all__ = ["FORMATS", "add_commands", "format_of", "package_arguments", "package_options",
+           "parse_mount", "read_records", "write_records"]
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".msgpack": "msgpack",
            ".mpk": "msgpack"}
@@ -141,9 +143,38 @@ def write_records(handle: IO[bytes], fmt: str, records: Iterable[Any]) -> int:
         text.detach()
 
 
+def package_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--package`` (repeatable) and where pip finds packages, for a command's sandbox."""
+    group = parser.add_argument_group(
+        "packages (pure-Python wheels, built into the guest's snapshot once per set)")
+    group.add_argument("--package", action="append", default=[], metavar="REQUIREMENT",
+                       dest="packages",
+                       help="a package for the guest, such as 'attrs' or 'pyyaml==6.0.2', "
+                            "resolved with pip (wheels only: no package code runs on this "
+                            "machine); repeatable")
+    group.add_argument("--find-links", action="append", default=[], metavar="DIR",
+                       help="also look for wheels in DIR (a wheelhouse); repeatable")
+    group.add_argument("--index-url", metavar="URL",
+                       help="the package index to use instead of pip's configured one")
+    group.add_argument("--no-index", action="store_true",
+                       help="use only --find-links, no package index")
+
+
+def package_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Sandbox option ``packages`` from ``package_arguments``' flags (none if none)."""
+    if not args.packages:
+        if args.find_links or args.index_url or args.no_index:
+            raise UsageError("--find-links, --index-url and --no-index say where to find "
+                             "packages: add the packages with --package")
+        return {}
+    from ._packages import Packages
+
+    return {"packages": Packages(requirements=tuple(args.packages), index_url=args.index_url,
+                                 find_links=tuple(args.find_links), no_index=args.no_index)}
+
+
 def add_commands(commands: Any, limits_arguments: Any) -> None:
     """Add ``transform`` and ``fuzz`` to the CLI's subcommands."""
-    from ._cli import package_arguments
     transform = commands.add_parser(
         "transform", help="apply a Python function to every record of a file, sandboxed",
         description="Apply the function ENTRY of CODE_FILE to every record of INPUT, in "
@@ -209,15 +240,23 @@ def _mount_argument(parser: argparse.ArgumentParser, script: str) -> None:
                              f"the guest's sys.path, so its own modules import; repeatable")
 
 
+def parse_mount(text: str) -> Mount:
+    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
+    host, _, rest = text.partition(":")
+    guest, _, mode = rest.partition(":")
+    if not host or not guest or mode not in ("", "ro", "rw"):
+        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
+    return Mount(host, guest, writable=mode == "rw")
+
+
 def _script_options(path: str, mount_texts: list[str]) -> dict[str, Any]:
     """The Sandbox options of ``--mount``: the mounts, and the script's guest directory
     first on ``sys.path`` (as ``python script.py`` puts it) if a mount shows the script."""
     if not mount_texts:
         return {}
-    from ._cli import _mount
     from ._files import guest_path_for
 
-    mounts = [_mount(text) for text in mount_texts]
+    mounts = [parse_mount(text) for text in mount_texts]
     guest = guest_path_for(path, mounts)
     return {"mounts": mounts,
             "python_path": [guest.rpartition("/")[0] or "/"] if guest is not None else []}
@@ -321,7 +360,6 @@ def _check_entry(transform: Any, code: str, entry: str, code_file: str) -> None:
 
 
 def _cmd_transform(args: argparse.Namespace) -> int:
-    from ._cli import package_options
     from ._errors import GuestError, LimitExceeded
     from ._transform import Transform, progress_bar
 
@@ -370,7 +408,6 @@ def _cmd_transform(args: argparse.Namespace) -> int:
 
 
 def _cmd_fuzz(args: argparse.Namespace) -> int:
-    from ._cli import package_options
     from .testing import fuzz, replay
 
     code = _read_code(args.file)

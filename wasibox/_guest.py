@@ -1,6 +1,6 @@
 """The guest artifact: where its sources are, building it once, and caching it.
 
-The guest component is built from ``guest/`` (and the WIT contracts in ``capabilities/``) by
+The guest component is built from ``guest/`` (its WIT contracts are in ``guest/wit/``) by
 ``guest/build.py``, then cached under the user cache directory keyed by a digest of every
 build input. Its sha256 -- ``guest_digest()`` -- names the exact interpreter that runs guest
 code: results, fuel and determinism are promised per digest.
@@ -30,9 +30,7 @@ from ._errors import GuestBuildError, UsageError
 from ._progress import Reporter, library_reporter
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    from ._packages import Packages, PackageSet
+    from ._packages import PackageSet
 
 __all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "cached_package_guests",
            "ensure_guest", "file_lock", "file_sha256", "guest_digest", "installed_version"]
@@ -154,13 +152,11 @@ def _build(recipe: ModuleType, path: Path, report: Reporter,
                    "ahead of time)")
             digest: str = recipe.build(path, report)
             return digest
-        from ._packages import unpack
-
         report(f"building the guest for packages {', '.join(packages.pins)} (once per "
                "package set; `wasibox prepare --package ...` does it ahead of time)")
         with tempfile.TemporaryDirectory(prefix="wasibox-site-") as scratch:
             site = Path(scratch) / "site"
-            unpack(packages, site)
+            packages.unpack(site)
             digest = recipe.build(path, report, site=site)
         path.with_name("packages.json").write_text(json.dumps(
             {"digest": packages.digest, "packages": list(packages.pins)}) + "\n")
@@ -178,17 +174,9 @@ def installed_version(dist: str) -> str:
     return version
 
 
-def guest_digest(packages: Sequence[str] | Packages | None = None) -> str:
-    """The sha256 of the guest component this installation runs (building it if needed).
-
-    With ``packages`` (as ``Sandbox(packages=...)`` takes them), the digest of the guest
-    built for that package set, which a Sandbox with those packages runs. Raises
-    NativeOnlyPackage and UsageError as Sandbox does for packages.
-    """
-    from ._packages import packages_from, resolve
-
-    wanted = packages_from(packages)
-    return ensure_guest(None, resolve(wanted) if wanted is not None else None).digest
+def guest_digest() -> str:
+    """The sha256 of the guest component this installation runs (building it if needed)."""
+    return ensure_guest(progress=None).digest
 
 
 def cached_guest_state() -> str:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._errors import NativeOnlyPackage, UsageError
-from ._guest import cache_dir, file_lock, file_sha256
+from ._guest import cache_dir, ensure_guest, file_lock, file_sha256
 from ._progress import Reporter, library_reporter
 
 # subprocess and zipfile are imported where they are used: `import wasibox` imports this
@@ -57,9 +57,9 @@ __all__ = [
     "PackageSet",
     "Packages",
     "Wheel",
+    "guest_digest",
     "packages_from",
     "resolve",
-    "unpack",
 ]
 
 #: The Python version of the wasm guest (componentize-py's CPython): wheels are chosen for it.
@@ -147,6 +147,57 @@ class PackageSet:
         """Where ``wheel`` is kept in the cache."""
         return _packages_dir() / "wheels" / wheel.sha256[:32] / wheel.filename
 
+    def unpack(self, directory: Path) -> None:
+        """Unpack the set's wheels into ``directory`` (a site-packages layout).
+
+        Only pure-Python content is written: modules, data files and dist-info; a ``.data``
+        directory's purelib/platlib go to the top, its scripts, headers and data are left out,
+        and extension modules are skipped. Raises UsageError for a wheel that is not what the
+        set recorded (its hash), holds an unsafe path or a symlink, or unpacks past
+        MAX_UNPACKED_BYTES.
+        """
+        import zipfile
+
+        budget = MAX_UNPACKED_BYTES
+        for wheel in self.wheels:
+            path = self.wheel_path(wheel)
+            if file_sha256(path) != wheel.sha256:
+                raise UsageError(f"the cached wheel {wheel.filename} does not match its recorded "
+                                 "sha256; delete the package cache and resolve again")
+            with zipfile.ZipFile(path) as archive:
+                for info in archive.infolist():
+                    target = _member_target(info, wheel)
+                    if target is None:
+                        continue
+                    budget -= info.file_size
+                    if budget < 0:
+                        raise UsageError(f"the package set unpacks to more than "
+                                         f"{MAX_UNPACKED_BYTES // 2**20} MiB (at {wheel.filename})")
+                    with archive.open(info) as source:
+                        # Read at most what the header promised, plus one byte to catch a lie.
+                        data = source.read(info.file_size + 1)
+                    if len(data) > info.file_size:
+                        raise UsageError(f"{wheel.filename}: {info.filename} is larger than its "
+                                         "zip header says")
+                    destination = directory.joinpath(*target)
+                    try:
+                        destination.parent.mkdir(parents=True, exist_ok=True)
+                        destination.write_bytes(data)
+                    except OSError as exc:  # e.g. a file where another member needs a directory
+                        raise UsageError(f"{wheel.filename}: cannot unpack {info.filename!r} "
+                                         f"({exc.strerror})") from None
+
+
+def guest_digest(packages: Sequence[str] | Packages | None = None) -> str:
+    """The sha256 of the guest component this installation runs (building it if needed).
+
+    With ``packages`` (as ``Sandbox(packages=...)`` takes them), the digest of the guest
+    built for that package set, which a Sandbox with those packages runs. Raises
+    NativeOnlyPackage and UsageError as Sandbox does for packages.
+    """
+    wanted = packages_from(packages)
+    return ensure_guest(None, resolve(wanted) if wanted is not None else None).digest
+
 
 def packages_from(value: object) -> Packages | None:
     """``Sandbox(packages=...)`` normalised: None for no packages, else a Packages.
@@ -196,47 +247,6 @@ def resolve(packages: Packages, progress: Reporter | None = None) -> PackageSet:
         os.replace(staged, lock)
         report(f"resolved {len(wheels)} wheels: {', '.join(package_set.pins)}")
         return package_set
-
-
-def unpack(package_set: PackageSet, directory: Path) -> None:
-    """Unpack the set's wheels into ``directory`` (a site-packages layout).
-
-    Only pure-Python content is written: modules, data files and dist-info; a ``.data``
-    directory's purelib/platlib go to the top, its scripts, headers and data are left out,
-    and extension modules are skipped. Raises UsageError for a wheel that is not what the
-    set recorded (its hash), holds an unsafe path or a symlink, or unpacks past
-    MAX_UNPACKED_BYTES.
-    """
-    import zipfile
-
-    budget = MAX_UNPACKED_BYTES
-    for wheel in package_set.wheels:
-        path = package_set.wheel_path(wheel)
-        if file_sha256(path) != wheel.sha256:
-            raise UsageError(f"the cached wheel {wheel.filename} does not match its recorded "
-                             "sha256; delete the package cache and resolve again")
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                target = _member_target(info, wheel)
-                if target is None:
-                    continue
-                budget -= info.file_size
-                if budget < 0:
-                    raise UsageError(f"the package set unpacks to more than "
-                                     f"{MAX_UNPACKED_BYTES // 2**20} MiB (at {wheel.filename})")
-                with archive.open(info) as source:
-                    # Read at most what the header promised, plus one byte to catch a lie.
-                    data = source.read(info.file_size + 1)
-                if len(data) > info.file_size:
-                    raise UsageError(f"{wheel.filename}: {info.filename} is larger than its "
-                                     "zip header says")
-                destination = directory.joinpath(*target)
-                try:
-                    destination.parent.mkdir(parents=True, exist_ok=True)
-                    destination.write_bytes(data)
-                except OSError as exc:  # e.g. a file where another member needs a directory
-                    raise UsageError(f"{wheel.filename}: cannot unpack {info.filename!r} "
-                                     f"({exc.strerror})") from None
 
 
 # -- internals ----------------------------------------------------------------------------------
