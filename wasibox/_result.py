@@ -208,6 +208,7 @@ class RunResult:
         data["limit_exceeded"] = self.limit_exceeded.value if self.limit_exceeded else None
         data["value"] = json_value(self.value)
         data["capability_log"] = [json_value(event) for event in data["capability_log"]]
+        data["packages"] = list(self.packages)
         return data
 
     @property
