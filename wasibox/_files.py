@@ -14,7 +14,9 @@ guest gets *no* preopens at all, and the guest runner routes ``open``, ``os.*`` 
 built on them (pathlib, csv over files, shutil, os.walk, tempfile) through the ``files``
 interface (``guest/wit/files.wit``); everything here is ordinary host Python, checked
 before it touches the disk. Bypassing the guest's Python-level patches reaches nothing: there
-is no WASI directory to reach.
+is no WASI directory to reach. The exception is a ``c_access`` mount, which C code (sqlite3)
+needs: it is also preopened, but only as the run's private staging tree of copies, and what
+it holds is checked when the run ends (docs/c-level-files.md).
 
 The price, measured with ``bench/files.py`` on a shared, loaded 2-core machine (so the
 figures moved between runs): reading through the host in 64 KiB chunks ran at 8-28 MB/s
@@ -183,8 +185,15 @@ class Mount:
     ``Mount.scratch("/tmp")`` is a writable directory that starts empty for every run and
     is thrown away when the run ends (``host_path`` is None).
 
-    Raises UsageError if ``host_path`` is not an existing directory, or ``guest_path`` is
-    not an absolute path below ``/``.
+    ``c_access=True`` also shows a writable or scratch mount to C code inside the wasm guest
+    (``sqlite3.connect("/out/db.sqlite")``), through a WASI preopen of the run's staging
+    tree. Such a run gets a new guest instance rather than a pooled one, and its staging
+    holds private copies of the mount's files, copied at the start of every run (instead of
+    links), so C code never writes a host file in place; the quotas and refusals are then
+    checked on what the tree holds when the run ends (see docs/c-level-files.md).
+
+    Raises UsageError if ``host_path`` is not an existing directory, ``guest_path`` is not
+    an absolute path below ``/``, or ``c_access`` is asked of a read-only mount.
     """
 
     host_path: str | os.PathLike[str] | None
@@ -192,15 +201,22 @@ class Mount:
     writable: bool = False
     quota_bytes: int | str = 64 * 2**20
     quota_files: int = 10_000
+    c_access: bool = False
 
     @classmethod
     def scratch(cls, guest_path: str = "/tmp", *, quota_bytes: int | str = 64 * 2**20,
-                quota_files: int = 10_000) -> Mount:
+                quota_files: int = 10_000, c_access: bool = False) -> Mount:
         """A private, empty, writable directory for each run, discarded when it ends."""
         return cls(None, guest_path, writable=True, quota_bytes=quota_bytes,
-                   quota_files=quota_files)
+                   quota_files=quota_files, c_access=c_access)
 
     def __post_init__(self) -> None:
+        if self.c_access and not self.writable:
+            # A preopen of the host directory itself would show C code what the Python view
+            # hides (links, FIFOs, other runs' staging): only a private staging tree is safe.
+            raise UsageError("c_access needs a writable (or scratch) mount, whose staging "
+                             "tree C code can be given; mount it writable with a quota")
+        object.__setattr__(self, "c_access", bool(self.c_access))
         if self.host_path is None:
             if not self.writable:
                 raise UsageError("a scratch Mount (host_path=None) must be writable")
@@ -390,6 +406,9 @@ class _Mounted:
         self.tree: Path | None = None
         #: rel path -> (kind, inode) of what the host held when the run started.
         self.baseline: dict[tuple[str, ...], tuple[str, int]] = {}
+        #: inode -> (path, size, mtime in ns) of each private copy a c_access staging made of
+        #: a host file; a copy still at that path with that size and mtime is unchanged.
+        self.copies: dict[int, tuple[tuple[str, ...], int, int]] = {}
         #: inode -> the permission bits the guest set, where the disk keeps the owner access
         #: the host needs (see _owner_bits); shown by stat and published with the file.
         self.modes: dict[int, int] = {}
@@ -502,8 +521,11 @@ class _Mounted:
                 self.baseline[(*rel, name)] = ("directory", st.st_ino)
             elif stat.S_ISREG(st.st_mode):
                 try:
-                    os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
-                            follow_symlinks=False)
+                    if self.mount.c_access:
+                        self._copy_in(src_fd, dst_fd, name, (*rel, name))
+                    else:
+                        os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
+                                follow_symlinks=False)
                 except OSError:
                     continue  # e.g. protected_hardlinks: the file stays invisible to the guest
                 self.baseline[(*rel, name)] = ("regular", st.st_ino)
@@ -512,6 +534,26 @@ class _Mounted:
                 self.linked(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
             # Symlinks, FIFOs, devices and sockets in the host directory are not shown to
             # the guest of a writable mount, and publishing never touches them.
+
+    def _copy_in(self, src_fd: int, dst_fd: int, name: str, path: tuple[str, ...]) -> None:
+        """Stage a private copy of the host's regular file ``name`` (for C access), with its
+        mode and times. Raises OSError if it is no longer a regular file."""
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                      dir_fd=src_fd)
+        try:
+            st = os.fstat(src)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.ENXIO, "not a regular file")
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=dst_fd)
+            try:
+                _copy_contents(src, dst, st)
+                copied = os.fstat(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        self.copies[copied.st_ino] = (path, copied.st_size, copied.st_mtime_ns)
 
     def close(self) -> None:
         for fd in (self.root_fd if self.root_fd != self.host_fd else None, self.host_fd,
@@ -531,6 +573,15 @@ class _Mounted:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+
+
+def _copy_contents(src: int, dst: int, st: os.stat_result) -> None:
+    """Copy the open file ``src`` into ``dst``, then give ``dst`` the times in ``st``."""
+    while chunk := os.read(src, _COPY_CHUNK):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _height(parent_fd: int, name: str) -> int:
@@ -692,6 +743,12 @@ class FileSession:
     def trees(self) -> dict[str, Path]:
         """Guest path -> host staging tree of each writable mount (for directory backends)."""
         return {m.mount.guest_path: m.tree for m in self._mounted if m.tree is not None}
+
+    def preopens(self) -> list[tuple[str, str]]:
+        """(host directory, guest path) of each ``c_access`` mount, for a WASI preopen: the
+        run's staging tree of a writable mount, the scratch directory of a scratch one."""
+        return [(str(m.tree if m.tree is not None else m.host), m.mount.guest_path)
+                for m in self._mounted if m.mount.c_access]
 
     def views(self) -> list[tuple[Mount, int | None]]:
         """Each mount with a descriptor of the directory its guest view starts at: the host
@@ -1030,11 +1087,7 @@ class FileSession:
             dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=parent)
             try:
-                while chunk := os.read(src, _COPY_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(dst, view):]
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                _copy_contents(src, dst, st)
                 copied = os.fstat(dst)
             finally:
                 os.close(dst)
@@ -1436,6 +1489,9 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], plan: _Plan,
         names = sorted(entry.name for entry in listing)
     for name in names:
         path = (*rel, name)
+        if path == (STAGING_DIR,):  # made by C code (c_access): never moved onto the real one
+            plan.refused.append(RefusedFile(path=name, reason="a name wasibox reserves"))
+            continue
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         baseline = mounted.baseline.get(path)
         if stat.S_ISDIR(st.st_mode) and len(path) > MAX_DEPTH:
@@ -1453,8 +1509,10 @@ def _plan(mounted: _Mounted, dir_fd: int, rel: tuple[str, ...], plan: _Plan,
             finally:
                 os.close(child)
         elif stat.S_ISREG(st.st_mode):
-            if baseline == ("regular", st.st_ino):
-                plan.seen.add(path)  # the host's own file, unchanged
+            if baseline == ("regular", st.st_ino) or (
+                    baseline is not None and baseline[0] == "regular"
+                    and mounted.copies.get(st.st_ino) == (path, st.st_size, st.st_mtime_ns)):
+                plan.seen.add(path)  # the host's own file (or its private copy), unchanged
                 plan.sizes[st.st_ino] = st.st_size
                 continue
             if st.st_nlink > 1 and st.st_ino not in inodes:
