@@ -6,8 +6,8 @@ The recipe, step by step:
 
 1. Lay out a private build tree: the runner, the WIT world plus every capability contract
    (one WIT package), the pure-Python packages the guest bundles (msgpack's fallback
-   codec, tzdata) and, for a derived guest, a package set's unpacked wheels. Every file gets the same fixed mtime, because the snapshot records the
-   mtimes the importer saw.
+   codec, tzdata) and, for a derived guest, a package set's unpacked wheels. Every file
+   gets the same fixed mtime, because the snapshot records the mtimes the importer saw.
 2. Compile ``pin_entropy.c`` and preload it into componentize-py, so the hash seed and every
    other draw from entropy during pre-init are the same on every build (see that file).
 3. Run componentize-py with an empty virtual environment, so nothing from the building
