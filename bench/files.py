@@ -4,7 +4,9 @@ What it measures (everything is printed; nothing is asserted):
 
 1. Run latency, median over ``--runs`` runs of ``print(1)``: with no mounts (the baseline),
    with a read-only mount, with an empty writable mount (staging made and discarded), and
-   with a writable mount already holding ``--files`` files (staging populated with links).
+   with a writable mount already holding ``--files`` files (staging populated with links);
+   each writable one also with ``c_access`` (a new instance with a preopen instead of a
+   pooled one, and the staging populated with copies).
 2. One mediated call: ``os.stat`` on a mounted file, ``--calls`` times in one run, minus an
    empty loop; microseconds per call.
 3. Bulk data in 64 KiB chunks through ``open()``: reading and writing a ``--mib`` MiB file,
@@ -83,8 +85,12 @@ def main() -> None:
     print(f"run, no mounts:                 {base * 1e3:7.2f} ms (baseline)")
     for label, mounts in (("run, read-only mount:", (ro,)),
                           ("run, empty writable mount:", (rw,)),
+                          ("  the same, c_access:", (wasibox.Mount(out, "/out", writable=True,
+                                                                   c_access=True, **big_quota),)),
                           (f"run, writable with {args.files} files:",
-                           (wasibox.Mount(full, "/full", writable=True),))):
+                           (wasibox.Mount(full, "/full", writable=True),)),
+                          ("  the same, c_access:", (wasibox.Mount(full, "/full", writable=True,
+                                                                   c_access=True),))):
         with sandbox(*mounts) as sb:
             value = median_s(args.runs, lambda sb=sb: ok(sb.run("print(1)")))
         print(f"{label:32s}{value * 1e3:7.2f} ms ({value / base:.2f}x)")

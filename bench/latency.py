@@ -19,6 +19,9 @@ What it measures (everything is printed; nothing is asserted):
    - *no pool* (``WasmRuntime(pool_size=0)``): each run makes its instance inline.
    Also the cost of making (instantiating and priming) an instance alone, and the fuel one
    run burns.
+1b. A package set (``--packages``, default attrs and python-dateutil) next to none: the
+   same run in a guest built for the set, with no pool and with the pool, paced. Target:
+   at most 1.10x the latency without packages once the set's snapshot is built.
 2. Cold start: a new Python process that does ``import wasibox; wasibox.run("print(1+1)")``
    with the compiled guest already cached, timed from launch to exit by the parent and from
    ``import wasibox`` to the result inside the child. Target: under 250 ms.
@@ -31,7 +34,8 @@ What it measures (everything is printed; nothing is asserted):
 
 Run it with ``make bench`` (which runs ``python bench/latency.py``), or directly:
 
-    python bench/latency.py [--runs 300] [--gap-ms 20] [--prepare] [--eryx | --no-eryx]
+    python bench/latency.py [--runs 300] [--gap-ms 20] [--packages attrs,python-dateutil]
+                            [--prepare] [--eryx | --no-eryx]
 
 The cache directory is wasibox's usual one (``WASIBOX_CACHE_DIR`` if set); children inherit
 this process's environment.
@@ -245,6 +249,56 @@ def bench_warm(runs: int, gap_s: float) -> dict[str, Stats]:
     return results
 
 
+# -- 1b. a package set ---------------------------------------------------------------------
+
+PACKAGES_TARGET_RATIO = 1.10
+DEFAULT_PACKAGES = "attrs,python-dateutil"
+
+
+def bench_packages(requirements: list[str], runs: int, gap_s: float) -> dict[str, float]:
+    """Fresh-run latency of a guest built for ``requirements`` next to the plain guest's.
+
+    Both rows run ``print(1+1)`` in a fresh instance: with no pool (make, prime, call,
+    drop) and with the warm pool, paced. Rounds are interleaved, so load on the machine
+    hits both alike. Target: with packages at most 1.10x without, once the set's snapshot
+    is built (building it, once per set, is printed but not compared).
+    """
+    from wasibox._guest import ensure_guest
+    from wasibox._packages import Packages, resolve
+
+    section(f"a package set ({', '.join(requirements)}) next to none: {CODE!r}, a fresh "
+            "instance each (interleaved rounds; medians of the rounds)")
+    wanted = Packages(requirements=tuple(requirements))
+    started = time.perf_counter()
+    artifact = ensure_guest(packages=resolve(wanted))
+    print(f"  the set's guest was ready in {time.perf_counter() - started:.1f} s "
+          f"(sha256 {artifact.digest[:16]}; built once per set, then cached)")
+    cycles = {"without": wasibox.Sandbox(backend=WasmBackend(WasmRuntime(pool_size=0))),
+              "with": wasibox.Sandbox(backend=WasmBackend(WasmRuntime(artifact, pool_size=0)))}
+    pooled = {"without": wasibox.Sandbox(), "with": wasibox.Sandbox(packages=wanted)}
+    per_round = max(runs // PATH_ROUNDS, 2)
+    figures: dict[str, dict[str, list[float]]] = {
+        name: {"cycle_ms": [], "paced_ms": []} for name in cycles}
+    for _ in range(PATH_ROUNDS):
+        for name in cycles:
+            samples = sample(functools.partial(checked_run, cycles[name]), per_round)
+            figures[name]["cycle_ms"].append(statistics.median(samples) * 1e3)
+            paced = sample(functools.partial(checked_run, pooled[name]), per_round, gap_s=gap_s)
+            figures[name]["paced_ms"].append(statistics.median(paced) * 1e3)
+    for sandbox in [*cycles.values(), *pooled.values()]:
+        sandbox.close()
+    medians = {name: {key: statistics.median(values) for key, values in rows.items()}
+               for name, rows in figures.items()}
+    print(f"  {'':<10} {'no pool':>10} {'pool, paced':>12}   (ms)")
+    for name, row in medians.items():
+        print(f"  {name:<10} {row['cycle_ms']:>10.2f} {row['paced_ms']:>12.2f}")
+    ratios = {key: medians["with"][key] / medians["without"][key]
+              for key in ("cycle_ms", "paced_ms")}
+    print(f"  with / without: no pool {ratios['cycle_ms']:.2f}x, pool paced "
+          f"{ratios['paced_ms']:.2f}x")
+    return ratios
+
+
 # -- 2. cold start -------------------------------------------------------------------------
 
 def bench_cold() -> dict[str, Stats]:
@@ -402,7 +456,7 @@ def verdict(met: bool) -> str:
 
 def summary(paths: dict[str, dict[str, float]], warm: dict[str, Stats],
             cold: dict[str, Stats], prepare_s: float | None,
-            eryx: dict[str, Stats] | None) -> None:
+            eryx: dict[str, Stats] | None, packages: dict[str, float] | None) -> None:
     section("summary")
     best = min(paths, key=lambda name: paths[name]["cycle_cpu_ms"])
     best_cpu = paths[best]["cycle_cpu_ms"]
@@ -422,6 +476,11 @@ def summary(paths: dict[str, dict[str, float]], warm: dict[str, Stats],
           f"(target < {COLD_START_TARGET_MS:.0f} ms: "
           f"{verdict(cold_ms < COLD_START_TARGET_MS)}), "
           f"{cold['wall'].median * 1e3:.0f} ms whole process")
+    if packages is not None:
+        worst = max(packages.values())
+        print(f"  with a package set      {packages['cycle_ms']:.2f}x no pool, "
+              f"{packages['paced_ms']:.2f}x pool paced (target <= {PACKAGES_TARGET_RATIO}x: "
+              f"{verdict(worst <= PACKAGES_TARGET_RATIO)})")
     print("  first-ever prepare      "
           + (f"{prepare_s:.1f} s" if prepare_s is not None else "not measured (--prepare)"))
     if eryx is None:
@@ -443,6 +502,9 @@ def main() -> None:
                         help="idle time between paced runs (default: %(default)s)")
     parser.add_argument("--prepare", action="store_true",
                         help="also time a first-ever `wasibox prepare` (slow, ~35-60 s)")
+    parser.add_argument("--packages", default=DEFAULT_PACKAGES, metavar="REQ,REQ",
+                        help="the package set to time next to none (built once if needed; "
+                             "'' to skip; default: %(default)s)")
     parser.add_argument("--eryx", action=argparse.BooleanOptionalAction, default=None,
                         help="measure eryx too, creating its venv if needed (default: only "
                              "if the venv exists)")
@@ -453,10 +515,13 @@ def main() -> None:
     header()
     paths = bench_paths(args.runs, args.gap_ms / 1e3)
     warm = bench_warm(args.runs, args.gap_ms / 1e3)
+    requirements = [r.strip() for r in args.packages.split(",") if r.strip()]
+    packages = bench_packages(requirements, args.runs, args.gap_ms / 1e3) if requirements \
+        else None
     cold = bench_cold()
     prepare_s = bench_prepare(args.prepare)
     eryx = bench_eryx(args.eryx, args.runs, args.gap_ms / 1e3)
-    summary(paths, warm, cold, prepare_s, eryx)
+    summary(paths, warm, cold, prepare_s, eryx, packages)
     if eryx is not None:
         eryx_paced_ms = eryx["reused"].median * 1e3
         eryx_fresh_ms = eryx["fresh"].median * 1e3

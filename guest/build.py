@@ -5,9 +5,9 @@ Usage: ``python guest/build.py OUTPUT.wasm`` (the host's ``wasibox prepare`` cal
 The recipe, step by step:
 
 1. Lay out a private build tree: the runner, the WIT world plus every capability contract
-   (one WIT package), and the pure-Python packages the guest bundles (msgpack's fallback
-   codec, tzdata). Every file gets the same fixed mtime, because the snapshot records the
-   mtimes the importer saw.
+   (one WIT package), the pure-Python packages the guest bundles (msgpack's fallback
+   codec, tzdata) and, for a derived guest, a package set's unpacked wheels. Every file
+   gets the same fixed mtime, because the snapshot records the mtimes the importer saw.
 2. Compile ``pin_entropy.c`` and preload it into componentize-py, so the hash seed and every
    other draw from entropy during pre-init are the same on every build (see that file).
 3. Run componentize-py with an empty virtual environment, so nothing from the building
@@ -54,8 +54,13 @@ def inputs_digest() -> str:
     return digest.hexdigest()
 
 
-def build(output: Path, progress: Progress = lambda message: None) -> str:
-    """Build the guest component into ``output`` and return its sha256."""
+def build(output: Path, progress: Progress = lambda message: None,
+          site: Path | None = None) -> str:
+    """Build the guest component into ``output`` and return its sha256.
+
+    ``site`` is a directory holding a package set's unpacked pure-Python wheels: the guest
+    runner packs and imports them at pre-init, so the snapshot holds them (a derived guest).
+    """
     output = Path(output)
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
@@ -75,6 +80,8 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
             shutil.copy2(contract, wit / contract.name)
         for package in BUNDLED:
             _copy_pure_package(package, app / package)
+        if site is not None:
+            shutil.copytree(site, app / "wasibox_site", symlinks=True)
         empty_env = tree / "empty-venv"
         (empty_env / "lib").mkdir(parents=True)
         for path in tree.rglob("*"):

@@ -12,7 +12,8 @@ import wasibox
 EXPECTED = {
     "Busy", "CapabilityEvent", "ConfigError", "EmulationRefused", "Failed", "FailedRecord",
     "FileRecord", "FunctionRefused", "GuestBuildError", "GuestError", "GuestException",
-    "GuestMismatch", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile",
+    "GuestMismatch", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount",
+    "NativeOnlyPackage", "Packages", "RefusedFile",
     "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Transform",
     "TransformProgress", "TransformSpec", "UsageError", "VMError", "WasiboxError",
     "guest_digest", "run",

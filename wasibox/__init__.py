@@ -16,14 +16,15 @@ from ._errors import (
     GuestError,
     GuestMismatch,
     LimitExceeded,
+    NativeOnlyPackage,
     SandboxClosed,
     UsageError,
     VMError,
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._guest import guest_digest
 from ._limits import Limit, Limits
+from ._packages import Packages, guest_digest
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
 from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
@@ -49,6 +50,8 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "Mount",
+    "NativeOnlyPackage",
+    "Packages",
     "RefusedFile",
     "RunHandle",
     "RunResult",

@@ -114,13 +114,21 @@ def _parser() -> argparse.ArgumentParser:
     program.add_argument("--no-stdin", action="store_true",
                          help="give the guest an empty stdin; by default it reads this "
                               "command's stdin to its end, unless that is a terminal")
+    from ._cli_data import package_arguments  # beside transform and fuzz, which take it too
+
+    package_arguments(run)
     run.set_defaults(handler=_cmd_run)
 
     prepare = commands.add_parser(
         "prepare", help="build and compile the guest now, so the first run is fast",
         description="Build the guest component (about 20 s) and compile it for this machine "
                     "(about 10-30 s), with progress. Both are cached; running this again is "
-                    "instant.")
+                    "instant. With --package, build the guest for that package set instead "
+                    "(resolved with pip; a minute or two, once per set).",
+        epilog="example:\n  wasibox prepare --package attrs --package 'pyyaml==6.0.2' "
+               "--find-links ./wheelhouse",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    package_arguments(prepare)
     prepare.set_defaults(handler=_cmd_prepare)
 
     serve = commands.add_parser(
@@ -222,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from ._cli_data import package_options
     from ._sandbox import STDIN_LIMIT_FACTOR, Sandbox
 
     if args.code is not None:
@@ -259,7 +268,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
                  entropy="real" if args.real_entropy else "seeded", mounts=mounts,
                  backend=args.backend, allow_emulation=args.allow_emulation,
-                 python_path=python_path) as sandbox:
+                 python_path=python_path, **package_options(args)) as sandbox:
         argv0 = filename or ("-c" if args.code is not None else "-")
         result = sandbox.run(code, stdin=stdin, filename=filename, env=_env(args.env),
                              argv=[argv0, *args.script_args])
@@ -301,17 +310,23 @@ def _env(items: Sequence[str]) -> dict[str, str]:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    from ._cli_data import package_options
     from ._guest import ensure_guest
+    from ._packages import resolve
     from ._progress import stderr_reporter
     from .backends.wasm import runtime
 
     report = stderr_reporter(min_interval_s=2.0)
     started = time.perf_counter()
-    artifact = ensure_guest(report)
-    rt = runtime(progress=report)
+    wanted = package_options(args).get("packages")
+    package_set = resolve(wanted, report) if wanted is not None else None
+    artifact = ensure_guest(report, package_set)
+    rt = runtime(progress=report, artifact=artifact if package_set is not None else None)
     report(f"ready in {time.perf_counter() - started:.1f}s")
     print(f"guest sha256 {artifact.digest}")
     print(f"guest minimum memory {rt.min_memory_bytes} bytes")
+    if package_set is not None:
+        print(f"package set {package_set.digest}: {', '.join(package_set.pins)}")
     return 0
 
 
@@ -352,7 +367,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from ._guest import cache_dir, cached_guest_state
+    from ._guest import cache_dir, cached_guest_state, cached_package_guests
 
     def version(dist: str) -> str:
         try:
@@ -375,6 +390,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("componentize-py", version("componentize-py")),
         ("cache", str(cache_dir())),
         ("guest", cached_guest_state()),
+        *(("package set", line) for line in cached_package_guests() or ["none built"]),
         ("kvm", kvm_state),
     ]
     from .backends import wasm

@@ -30,8 +30,8 @@ from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
 from .capabilities.files.mount import Mount
 
-__all__ = ["FORMATS", "add_commands", "format_of", "parse_mount", "read_records",
-           "write_records"]
+__all__ = ["FORMATS", "add_commands", "format_of", "package_arguments", "package_options",
+           "parse_mount", "read_records", "write_records"]
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".msgpack": "msgpack",
            ".mpk": "msgpack"}
@@ -143,6 +143,36 @@ def write_records(handle: IO[bytes], fmt: str, records: Iterable[Any]) -> int:
         text.detach()
 
 
+def package_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--package`` (repeatable) and where pip finds packages, for a command's sandbox."""
+    group = parser.add_argument_group(
+        "packages (pure-Python wheels, built into the guest's snapshot once per set)")
+    group.add_argument("--package", action="append", default=[], metavar="REQUIREMENT",
+                       dest="packages",
+                       help="a package for the guest, such as 'attrs' or 'pyyaml==6.0.2', "
+                            "resolved with pip (wheels only: no package code runs on this "
+                            "machine); repeatable")
+    group.add_argument("--find-links", action="append", default=[], metavar="DIR",
+                       help="also look for wheels in DIR (a wheelhouse); repeatable")
+    group.add_argument("--index-url", metavar="URL",
+                       help="the package index to use instead of pip's configured one")
+    group.add_argument("--no-index", action="store_true",
+                       help="use only --find-links, no package index")
+
+
+def package_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Sandbox option ``packages`` from ``package_arguments``' flags (none if none)."""
+    if not args.packages:
+        if args.find_links or args.index_url or args.no_index:
+            raise UsageError("--find-links, --index-url and --no-index say where to find "
+                             "packages: add the packages with --package")
+        return {}
+    from ._packages import Packages
+
+    return {"packages": Packages(requirements=tuple(args.packages), index_url=args.index_url,
+                                 find_links=tuple(args.find_links), no_index=args.no_index)}
+
+
 def add_commands(commands: Any, limits_arguments: Any) -> None:
     """Add ``transform`` and ``fuzz`` to the CLI's subcommands."""
     transform = commands.add_parser(
@@ -167,6 +197,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("--no-progress", action="store_true",
                            help="no progress bar, even on a terminal")
     _mount_argument(transform, "CODE_FILE")
+    package_arguments(transform)
     limits_arguments(transform)
     transform.set_defaults(handler=_cmd_transform)
 
@@ -197,6 +228,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
                       help="where to save each failure's example for its replay line "
                            "(default: a new temporary directory)")
     _mount_argument(fuzz, "FILE")
+    package_arguments(fuzz)
     limits_arguments(fuzz)
     fuzz.set_defaults(handler=_cmd_fuzz)
 
@@ -335,7 +367,8 @@ def _cmd_transform(args: argparse.Namespace) -> int:
     in_format, out_format = format_of(args.input), format_of(args.output)
     transform = Transform(code, args.entry, limits=_limits(args), seed=args.seed,
                           on_error=args.on_error, batch_size=args.batch_size,
-                          **_script_options(args.code_file, args.mount))
+                          **_script_options(args.code_file, args.mount),
+                          **package_options(args))
     try:
         _check_entry(transform, code, args.entry, args.code_file)
     except BaseException:
@@ -381,7 +414,7 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     clock: Literal["virtual", "real"] = "real" if args.real_clock else "virtual"
     if args.replay_file is not None:
         args.replay = _read_code(args.replay_file)
-    options = _script_options(args.file, args.mount)
+    options = {**_script_options(args.file, args.mount), **package_options(args)}
     if args.replay is not None:
         result = replay(code, args.entry, args.replay, limits=_limits(args), clock=clock,
                         **options)

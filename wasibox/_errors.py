@@ -13,8 +13,9 @@
         ├── SandboxClosed         the Sandbox was used after ``close()``
         ├── ConfigError           a service configuration file is invalid (names the key)
         ├── EmulationRefused      the microVM would need software emulation, not allowed
-        └── FunctionRefused       a transform asked a dask worker for a host function it
-                                  does not allow
+        ├── FunctionRefused       a transform asked a dask worker for a host function it
+        │                         does not allow
+        └── NativeOnlyPackage     a requested package has no pure-Python wheel for wasm
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -39,6 +40,7 @@ __all__ = [
     "GuestError",
     "GuestMismatch",
     "LimitExceeded",
+    "NativeOnlyPackage",
     "SandboxClosed",
     "UsageError",
     "VMError",
@@ -98,6 +100,18 @@ class EmulationRefused(UsageError):
 class FunctionRefused(UsageError):
     """A transform asked a dask worker for a host function its configuration does not allow
     (``wasibox.dask.WasiboxPlugin(allow_functions=...)``)."""
+
+
+class NativeOnlyPackage(UsageError):
+    """A package asked for with ``packages=`` has only native wheels (extension modules),
+    and the wasm guest runs pure-Python wheels only. ``package`` names it."""
+
+    def __init__(self, package: str, message: str) -> None:
+        self.package = package
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.package, self.args[0]), self.args, self.__dict__))
 
 
 class GuestBuildError(WasiboxError):

@@ -18,16 +18,22 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from ._errors import GuestBuildError
+from ._errors import GuestBuildError, UsageError
 from ._progress import Reporter, library_reporter
 
-__all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "ensure_guest", "file_lock",
-           "file_sha256", "guest_digest", "installed_version"]
+if TYPE_CHECKING:
+    from ._packages import PackageSet
+
+__all__ = ["GuestArtifact", "cache_dir", "cached_guest_state", "cached_package_guests",
+           "ensure_guest", "file_lock", "file_sha256", "guest_digest", "installed_version"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -92,13 +98,21 @@ def file_sha256(path: Path) -> str:
 _built: dict[str, GuestArtifact] = {}
 
 
-def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
+def ensure_guest(progress: Reporter | None = None,
+                 packages: PackageSet | None = None) -> GuestArtifact:
     """Return the guest component, building it first if this machine has none cached.
 
-    Building takes about 20 s and reports progress to ``progress`` (stderr by default).
-    Raises GuestBuildError when the build fails, with the step that failed and its output.
+    With ``packages``, the guest derived for that package set: the same recipe with the
+    set's wheels packed into the snapshot, cached by the base inputs and the set's digest.
+    Building takes a minute or two and reports progress to ``progress`` (stderr by
+    default). Raises GuestBuildError when the build fails, with the step that failed and
+    its output, and UsageError when ``WASIBOX_GUEST`` names a prebuilt guest and packages
+    are asked for (a prebuilt guest cannot be derived from).
     """
     prebuilt = os.environ.get("WASIBOX_GUEST")
+    if prebuilt and packages is not None:
+        raise UsageError("WASIBOX_GUEST names a prebuilt guest, which cannot take packages: "
+                         "unset it to let wasibox build the guest for a package set")
     if prebuilt:
         path = Path(prebuilt)
         if not path.is_file():
@@ -109,26 +123,46 @@ def ensure_guest(progress: Reporter | None = None) -> GuestArtifact:
         key = recipe.inputs_digest()
     except recipe.BuildError as exc:
         raise GuestBuildError(str(exc)) from None
+    directory = cache_dir() / "guest" / key[:24]
+    if packages is not None:
+        key += "-" + packages.digest
+        directory = directory.with_name(f"{directory.name}-{packages.digest[:24]}")
     if key in _built:
         return _built[key]
-    directory = cache_dir() / "guest" / key[:24]
     path, digest_file = directory / "guest.wasm", directory / "guest.sha256"
     if not (path.is_file() and digest_file.is_file()):
         report = progress if progress is not None else library_reporter()
         with file_lock(directory.with_suffix(".lock")):
             if not (path.is_file() and digest_file.is_file()):
-                report("building the guest (once per machine; `wasibox prepare` does it "
-                       "ahead of time)")
-                try:
-                    digest = recipe.build(path, report)
-                except recipe.BuildError as exc:
-                    raise GuestBuildError(str(exc)) from None
+                digest = _build(recipe, path, report, packages)
                 staged = digest_file.with_suffix(".tmp")
                 staged.write_text(digest + "\n")
                 os.replace(staged, digest_file)
     artifact = GuestArtifact(path, digest_file.read_text().strip())
     _built[key] = artifact
     return artifact
+
+
+def _build(recipe: ModuleType, path: Path, report: Reporter,
+           packages: PackageSet | None) -> str:
+    """Build the guest (for ``packages``, if given) into ``path``; return its sha256."""
+    try:
+        if packages is None:
+            report("building the guest (once per machine; `wasibox prepare` does it "
+                   "ahead of time)")
+            digest: str = recipe.build(path, report)
+            return digest
+        report(f"building the guest for packages {', '.join(packages.pins)} (once per "
+               "package set; `wasibox prepare --package ...` does it ahead of time)")
+        with tempfile.TemporaryDirectory(prefix="wasibox-site-") as scratch:
+            site = Path(scratch) / "site"
+            packages.unpack(site)
+            digest = recipe.build(path, report, site=site)
+        path.with_name("packages.json").write_text(json.dumps(
+            {"digest": packages.digest, "packages": list(packages.pins)}) + "\n")
+        return digest
+    except recipe.BuildError as exc:
+        raise GuestBuildError(str(exc)) from None
 
 
 def installed_version(dist: str) -> str:
@@ -157,3 +191,22 @@ def cached_guest_state() -> str:
         return f"built, sha256 {digest_file.read_text().strip()} ({directory})"
     return f"not built yet (run `wasibox prepare`; cache: {directory})"
 
+
+
+def cached_package_guests() -> list[str]:
+    """One line per guest built for a package set on this guest's base, for ``wasibox
+    doctor``: the set's packages, its digest and the guest's sha256 (never builds)."""
+    try:
+        key = _recipe().inputs_digest()
+    except Exception:  # noqa: BLE001 - cached_guest_state already reports the failure
+        return []
+    lines = []
+    for directory in sorted((cache_dir() / "guest").glob(f"{key[:24]}-*")):
+        try:
+            described = json.loads((directory / "packages.json").read_text())
+            digest = (directory / "guest.sha256").read_text().strip()
+            lines.append(f"{', '.join(described['packages'])}: set {described['digest'][:16]}"
+                         f", guest sha256 {digest}")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a build in progress, or a damaged entry that the next build replaces
+    return lines

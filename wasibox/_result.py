@@ -183,6 +183,9 @@ class RunResult:
     #: What isolated the guest: "wasm" (Wasmtime), or for the microVM "kvm" (hardware
     #: virtualization) or "tcg" (QEMU's software emulation, not a security boundary).
     isolation: str = "wasm"
+    #: The package set the guest had (``name==version`` of each wheel, sorted); empty
+    #: without ``packages=``. Results are deterministic per (guest digest, package set).
+    packages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Backends build results from guest text; so does dataclasses.replace. Cleaning here
@@ -205,6 +208,7 @@ class RunResult:
         data["limit_exceeded"] = self.limit_exceeded.value if self.limit_exceeded else None
         data["value"] = json_value(self.value)
         data["capability_log"] = [json_value(event) for event in data["capability_log"]]
+        data["packages"] = list(self.packages)
         return data
 
     @property
@@ -284,10 +288,15 @@ class Outcome:
     #: Every decision a capability made during the run, in order.
     capability_log: tuple[CapabilityEvent, ...] = ()
     isolation: str = "wasm"
+    #: The package set the guest had (``name==version`` of each wheel, sorted); empty
+    #: without ``packages=``. Results are deterministic per (guest digest, package set).
+    packages: tuple[str, ...] = ()
 
 
-def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
-    """Combine a backend's measurements with the guest's decoded reply."""
+def build_result(outcome: Outcome, backend: str, reply_limit: int,
+                 packages: tuple[str, ...] = ()) -> RunResult:
+    """Combine a backend's measurements with the guest's decoded reply; ``packages`` is
+    the package set the guest had."""
     exit_code = outcome.exit_code
     error = outcome.fault
     value = None
@@ -333,4 +342,5 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int) -> RunResult:
         value=value,
         capability_log=outcome.capability_log,
         isolation=outcome.isolation,
+        packages=packages,
     )

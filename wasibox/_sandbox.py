@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl, RunState
-from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
+from ._errors import GuestError, LimitExceeded, NativeOnlyPackage, SandboxClosed, UsageError
 from ._limits import Limit, Limits
+from ._packages import Packages, PackageSet, packages_from, resolve
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
 from .capabilities.files.mount import Mount, check_mounts
@@ -49,6 +50,13 @@ class Sandbox:
     ``max_queue`` more may wait, and past that a run fails fast with Busy.
     ``python_path`` lists guest directories (inside the mounts) put first on ``sys.path``,
     so the program imports its own modules and packages from them as Python would.
+    ``packages`` gives the guest third-party pure-Python packages: requirements such as
+    ``["pyyaml==6.0.2", "attrs"]``, or a ``wasibox.Packages`` that also says where pip finds
+    them (a wheelhouse, an index). They are resolved with pip on the host (wheels only:
+    no package code runs on the host) and built into a guest snapshot of their own, once per
+    package set, so the first Sandbox with a new set takes a minute or two (``wasibox
+    prepare --package ...`` does it ahead); runs then start as fast as without packages.
+    ``RunResult.packages`` names the set that ran. Such a sandbox runs on wasm.
 
     ``backend="auto"`` (the default) runs on wasm unless the code needs a module the wasm
     guest lacks and the microVM image has: decided before the run from a static scan of its
@@ -59,8 +67,11 @@ class Sandbox:
 
     Raises UsageError for an unknown backend, clock or entropy setting, a bad mount, a host
     function name that is not an identifier or a value that is not callable, an ``http``
-    that is not an ``HttpPolicy``, a bad max_concurrency or max_queue, or a
-    ``python_path`` entry that is not an absolute guest path.
+    that is not an ``HttpPolicy``, a bad max_concurrency or max_queue, a
+    ``python_path`` entry that is not an absolute guest path, or ``packages`` that pip
+    cannot resolve or with a backend other than wasm (or auto); NativeOnlyPackage (a
+    UsageError) for a package that has only native wheels; GuestBuildError if the guest
+    for the package set cannot be built.
     """
 
     def __init__(
@@ -80,6 +91,7 @@ class Sandbox:
         max_concurrency: int | None = None,
         max_queue: int = 0,
         python_path: Sequence[str] = (),
+        packages: Sequence[str] | Packages = (),
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -108,8 +120,10 @@ class Sandbox:
         self.python_path = _guest_paths(python_path)
         self._allow_emulation = allow_emulation
         self._auto = backend == "auto"
+        #: The resolved package set this sandbox's guest has, or None.
+        self.package_set = _package_set(packages, backend)
         self._backend = _make_backend("wasm" if self._auto else backend, allow_emulation,
-                                      pool_size=max_concurrency)
+                                      pool_size=max_concurrency, packages=self.package_set)
         self._microvm: Backend | None = None
         self._runner = Runner(self._execute, self._cancelled_result,
                               max_concurrency=max_concurrency, max_queue=max_queue)
@@ -276,8 +290,9 @@ class Sandbox:
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
+        pins = self.package_set.pins if self.package_set is not None else ()
         return run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
+            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES, packages=pins),
             control)
 
     def _cancelled_result(self, job: Job) -> RunResult:
@@ -286,8 +301,8 @@ class Sandbox:
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""
-        if not self._auto:
-            return self._backend
+        if not self._auto or self.package_set is not None:
+            return self._backend  # the microVM does not have the package set
         from ._select import wasm_lacks
 
         lacking = wasm_lacks(job.code, self.requires)
@@ -455,13 +470,41 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
+def _package_set(packages: Sequence[str] | Packages,
+                 backend: str | Backend) -> PackageSet | None:
+    """``packages`` resolved for the wasm guest, or None for none; raises as Sandbox says."""
+    wanted = packages_from(packages)
+    if wanted is None:
+        return None
+    if backend not in ("auto", "wasm"):
+        raise UsageError("packages= needs backend 'wasm' or 'auto': the microVM does not "
+                         "install packages (its image has numpy, pandas and the like "
+                         "already)")
+    try:
+        return resolve(wanted)
+    except NativeOnlyPackage as exc:
+        from .backends.microvm.backend import vm_modules
+
+        module = exc.package.lower().replace("-", "_")
+        if module in vm_modules():
+            raise NativeOnlyPackage(exc.package, f"{exc}. The microVM image has {module} "
+                                    "already: leave it out of packages and run on the "
+                                    "microVM (backend='microvm', or 'auto')") from None
+        raise
+
+
 def _make_backend(backend: str | Backend, allow_emulation: bool | None = None, *,
-                  pool_size: int | None = None) -> Backend:
+                  pool_size: int | None = None, packages: PackageSet | None = None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     if backend == "wasm":
-        from .backends.wasm import WasmBackend
+        from .backends.wasm import WasmBackend, runtime
 
+        if packages is not None:
+            from ._guest import ensure_guest
+
+            return WasmBackend(runtime(artifact=ensure_guest(packages=packages)),
+                               pool_size=pool_size)
         return WasmBackend(pool_size=pool_size)
     if backend == "microvm":
         from .backends.microvm.backend import MicroVMBackend

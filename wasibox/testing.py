@@ -29,7 +29,7 @@ import shlex
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -127,6 +127,13 @@ class GuestFunction:
         self._overrides = dict(strategies or {})
         self._sandbox = sandbox_for(code, limits, seed=seed, clock=clock, entropy=entropy,
                                     backend=backend, **sandbox_options)
+
+    def package_flags(self) -> list[str]:
+        """The package set this function's guest has, as ``wasibox fuzz`` flags (exact
+        pins, so a replay resolves the same wheels)."""
+        package_set = self._sandbox.package_set
+        pins = package_set.pins if package_set is not None else ()
+        return [part for pin in pins for part in ("--package", pin)]
 
     def __call__(self, *args: Any) -> Any:
         """Call the function; return its value or raise GuestError / LimitExceeded."""
@@ -435,7 +442,8 @@ def fuzz(code: str, entry: str, *, max_examples: int = 100, seed: int = 0,
         replay_dir = tempfile.mkdtemp(prefix="wasibox-fuzz-")
     failures = [FuzzFailure(kind=f.kind, example=f.example, message=str(f),
                             replay=_replay(code, entry, f, path, Path(replay_dir or "."),
-                                           limits, clock, sandbox_options.get("mounts", ())))
+                                           limits, clock, sandbox_options.get("mounts", ()),
+                                           function.package_flags()))
                 for f in found.values()]
     function.close()
     return FuzzReport(entry=entry, examples=len(fuels), elapsed_s=elapsed, failures=failures,
@@ -479,7 +487,8 @@ def _difference(first: RunResult, second: RunResult) -> str:
 
 
 def _replay(code: str, entry: str, failure: _Finding, path: str | None,
-            replay_dir: Path, limits: Limits | None, clock: str, mounts: Any = ()) -> str:
+            replay_dir: Path, limits: Limits | None, clock: str, mounts: Any = (),
+            package_flags: Sequence[str] = ()) -> str:
     """Save ``failure``'s example (and, without ``path``, the code) under ``replay_dir``;
     return the short ``wasibox fuzz ... --replay-file`` line that reruns it."""
     replay_dir.mkdir(parents=True, exist_ok=True)
@@ -494,7 +503,7 @@ def _replay(code: str, entry: str, failure: _Finding, path: str | None,
     granted = [f"{mount.host_path}:{mount.guest_path}{':rw' if mount.writable else ''}"
                for mount in mounts if mount.host_path is not None]
     command = ["wasibox", "fuzz", path, "--entry", entry,
-               *(part for text in granted for part in ("--mount", text)),
+               *(part for text in granted for part in ("--mount", text)), *package_flags,
                "--replay-file", str(example)]
     if limits is not None and limits != Limits():
         # The defaults may not reproduce a limit failure: name every limit the run had.

@@ -153,6 +153,61 @@ for _entry in sys.path:
         _RESOURCES.update(_pack_resources(_tz, "tzdata"))
         break
 
+# -- build time: the package set --------------------------------------------------------------
+#
+# A guest built for a package set (wasibox/_packages.py) has the wheels' contents in a
+# ``wasibox_site`` directory beside this file. They are packed like the stdlib, after it (a
+# package never shadows a stdlib module), and imported below, once the run-time environment
+# is in place, so the snapshot holds them imported.
+_SITE_ROOT = "<packages>"
+_SITE_TOP_LEVEL = []  # the importable top-level names of the package set, in order
+_DISTRIBUTIONS = {}  # normalised project name -> {dist-info file name: bytes}
+
+
+def _normalise(project):
+    return "".join("_" if c in "-." else c for c in project).lower()
+
+
+def _pack_site(site):
+    for name in sorted(os.listdir(site)):
+        path = os.path.join(site, name)
+        if name.endswith(".dist-info") and os.path.isdir(path):
+            project = name[: -len(".dist-info")].rpartition("-")[0]
+            files = {}
+            for filename in sorted(os.listdir(path)):
+                if os.path.isfile(os.path.join(path, filename)):
+                    with open(os.path.join(path, filename), "rb") as handle:
+                        files[filename] = handle.read()
+            _DISTRIBUTIONS.setdefault(_normalise(project), files)
+        elif (name[:-3] if name.endswith(".py") else name) in _MODULES:
+            continue  # the stdlib or a bundled package (tzdata) has it: theirs stays
+        elif os.path.isdir(path) and name.isidentifier():
+            if not os.path.isfile(os.path.join(path, "__init__.py")):
+                # A namespace package: an empty package module holds its portions.
+                _MODULES[name] = (True, marshal.dumps(compile("", name, "exec")),
+                                  f"{_SITE_ROOT}/{name}/__init__.py")
+            _MODULES.update(_pack_tree(path, name, frozenset({"__pycache__"}),
+                                       f"{_SITE_ROOT}/{name}"))
+            _RESOURCES.update(_pack_resources(path, name))
+            _SITE_TOP_LEVEL.append(name)
+        elif name.endswith(".py") and name[:-3].isidentifier() and os.path.isfile(path):
+            with open(path, "rb") as handle:
+                source = handle.read()
+            display = f"{_SITE_ROOT}/{name}"
+            try:
+                code = compile(source, display, "exec", dont_inherit=True)
+            except SyntaxError:
+                continue
+            _MODULES[name[:-3]] = (False, marshal.dumps(code), display)
+            _SITE_TOP_LEVEL.append(name[:-3])
+
+
+for _entry in sys.path:
+    _site = os.path.join(_entry, "wasibox_site")
+    if _entry != _STDLIB_ROOT and os.path.isdir(_site):
+        _pack_site(_site)
+        break
+
 
 class _Resource:
     """A read-only ``importlib.resources`` Traversable over packed bytes."""
@@ -243,6 +298,45 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
     def get_resource_reader(self, fullname):
         return _ResourceReader(fullname)
+
+    def get_data(self, path):
+        """A packed data file by the path its package's ``__file__`` implies (what
+        ``pkgutil.get_data`` asks for); FileNotFoundError for any other path."""
+        for root in (_SITE_ROOT + "/", "<stdlib>/"):
+            if path.startswith(root):
+                *package, name = path[len(root):].split("/")
+                data = _RESOURCES.get(".".join(package), {}).get(name)
+                if data is not None:
+                    return data
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    def find_distributions(self, context=None):
+        """The package set's distributions, for ``importlib.metadata`` (versions, entry
+        points); the dist-info files were packed at build time."""
+        wanted = getattr(context, "name", None)
+        for project, files in _DISTRIBUTIONS.items():
+            if wanted is None or _normalise(wanted) == project:
+                yield _distribution_class()(files)
+
+
+@functools.cache
+def _distribution_class():
+    """The Distribution type for packed dist-info files. Made on first use: importlib.metadata
+    is the caller then, and a guest without packages never imports it."""
+    import importlib.metadata
+
+    class PackedDistribution(importlib.metadata.Distribution):
+        def __init__(self, files):
+            self._files = files
+
+        def read_text(self, filename):
+            data = self._files.get(filename)
+            return None if data is None else data.decode("utf-8", "replace")
+
+        def locate_file(self, path):
+            return f"{_SITE_ROOT}/{path}"
+
+    return PackedDistribution
 
 
 # From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
@@ -411,6 +505,20 @@ threading._start_joinable_thread = threading._start_new_thread = _no_threads
 
 # Files exist only under the host's mounts (see wasibox_files.py).
 wasibox_files.install()
+
+# The package set's modules, imported now so a run pays nothing to import them (a run that
+# imported dateutil.parser itself spent ~80 M fuel on it). Test suites and __main__ modules
+# are left out. One that fails to import here (it needs something WASI lacks, or an
+# optional dependency) stays unimported: a run that imports it gets the same error, with
+# its traceback, instead of the whole set failing.
+for _name in sorted(name for name in _MODULES if name.partition(".")[0] in _SITE_TOP_LEVEL):
+    if {"__main__", "test", "tests"} & set(_name.split(".")) or _name in sys.modules:
+        continue
+    try:
+        importlib.import_module(_name)
+    except Exception:
+        for _module in [m for m in sys.modules if m == _name or m.startswith(_name + ".")]:
+            del sys.modules[_module]
 
 
 # -- run time --------------------------------------------------------------------------------

@@ -149,6 +149,14 @@ async def core_cases(client: Client, loopback_port: int) -> None:
     assert "traceback:" in report and "line 2, in f" in report
     assert "wasibox/" not in report
 
+    # The program's stdin, argv and environment, given by the caller alone.
+    result = await client.call_tool("run_python", {
+        "code": "import os, sys\nprint(sys.stdin.read().upper(), sys.argv, dict(os.environ))",
+        "stdin": "piped", "argv": ["tool.py", "--all"], "env": {"MODE": "fast"}})
+    assert "\nPIPED ['tool.py', '--all'] {'MODE': 'fast'}" in text(result), text(result)
+    result = await client.call_tool("run_python", {"code": "pass", "argv": ["a\x00b"]})
+    assert result.is_error and "NUL" in text(result)
+
     # A limit, in plain words, with its name.
     result = await client.call_tool("run_python", {"code": "while True: pass"})
     assert "the run used all of its CPU budget (fuel: 400,000,000 units) after" in text(result)

@@ -59,6 +59,7 @@ limits = {{ fuel = 1_000_000_000_000_000, timeout_s = 60 }}
 
 [tenants.files]
 token_sha256 = "{hash_token(TOKENS['files'])}"
+python_path = ["/data"]
 
 functions = {{ factorial = "math:factorial" }}
 http = {{ allow = ["api.example.com"], methods = ["GET"] }}
@@ -125,6 +126,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("serve")
     (root / "data").mkdir()
     (root / "data" / "greeting.txt").write_text("hello from the host")
+    (root / "data" / "shout.py").write_text("def shout(text):\n    return text.upper()\n")
     (root / "out").mkdir()
     config = root / "wasibox.toml"
     config.write_text(CONFIG)
@@ -252,6 +254,23 @@ def test_a_tenants_mounts_are_its_own(server: Server) -> None:
     assert out.read_text() == "HELLO FROM THE HOST"
     assert server.config_dir not in granted.text  # guest paths only
     assert denied.json()["error"]["type"] == "FileNotFoundError"  # alice has no mounts
+
+
+def test_a_run_takes_stdin_argv_env_and_the_tenants_python_path(server: Server) -> None:
+    code = ("import os, sys, shout\n"
+            "print(shout.shout(sys.stdin.read()), sys.argv, dict(os.environ))")
+    with server.client("files") as files:
+        response = files.post("/v1/run", json={
+            "code": code, "stdin": "piped", "argv": ["main.py", "-v"], "env": {"MODE": "x"}})
+        called = files.post("/v1/call", json={
+            "code": "import os, sys\ndef f():\n    return [sys.stdin.read(), os.environ['A']]",
+            "entry": "f", "stdin": "in", "env": {"A": "b"}})
+        refused = files.post("/v1/run", json={"code": "pass", "env": {"A=B": "x"}})
+    body = response.json()
+    assert body["ok"], body
+    assert body["stdout"] == "PIPED ['main.py', '-v'] {'MODE': 'x'}\n"
+    assert called.json()["value"] == ["in", "b"]
+    assert refused.status_code == 422 and "env names" in refused.json()["detail"]
 
 
 def test_a_tenants_functions_and_http_are_its_own(server: Server) -> None:

@@ -48,7 +48,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -652,17 +652,20 @@ class WasmRuntime:
         self._closed = False
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
-                    ) -> tuple[wasmtime.Store, Any]:
+                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
         """A fresh, primed store and instance of the guest for ``run_path`` (by default this
-        runtime's), and its ``execute`` export."""
+        runtime's), and its ``execute`` export. ``preopens`` are (host directory, guest
+        path) pairs the guest's C code sees, writable (``FileSession.preopens``)."""
         native = self.native.module if (run_path or self.run_path) == "native" else None
-        store, execute = self._new_instance(native)
+        store, execute = self._new_instance(native, preopens)
         _prime(store, execute, native, self._priming_request)
         return store, execute
 
-    def _new_instance(self, native: ModuleType | None) -> tuple[wasmtime.Store, Any]:
+    def _new_instance(self, native: ModuleType | None,
+                      preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
         """A fresh store and instance (not primed) for the native path if ``native``, else
-        for the Python path; raises GuestBuildError if the guest exports no ``execute``."""
+        for the Python path, with ``preopens`` as ``instantiate``'s; raises GuestBuildError
+        if the guest exports no ``execute``."""
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
         store = wasmtime.Store(self.engine)
@@ -670,6 +673,8 @@ class WasmRuntime:
         slot = _output_slots[store] = _OutputSlot()
         wasi.stdout_custom = _c_output(1, slot)
         wasi.stderr_custom = _c_output(2, slot)
+        for host, guest in preopens:
+            wasi.preopen_dir(host, guest, True)
         store.set_wasi(wasi)
         store.set_fuel(_INSTANTIATION_FUEL)
         store.set_epoch_deadline(2**62)
@@ -822,6 +827,7 @@ def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None,
 
 
 _runtime: WasmRuntime | None = None
+_derived_runtimes: dict[str, WasmRuntime] = {}  # by guest digest: guests with packages
 _runtime_lock = threading.Lock()
 
 
@@ -852,10 +858,21 @@ def _checked_run_path(run_path: RunPath | None) -> RunPath:
     return chosen  # type: ignore[return-value]
 
 
-def runtime(progress: Reporter | None = None) -> WasmRuntime:
-    """The process-wide runtime, made on first use (building the guest if needed)."""
+def runtime(progress: Reporter | None = None,
+            artifact: GuestArtifact | None = None) -> WasmRuntime:
+    """The process-wide runtime, made on first use (building the guest if needed).
+
+    With ``artifact`` (a guest derived for a package set), the process-wide runtime of that
+    guest: each guest has its own engine, compiled component and warm pool.
+    """
     global _runtime
     with _runtime_lock:
+        if artifact is not None:
+            derived = _derived_runtimes.get(artifact.digest)
+            if derived is None:
+                derived = _derived_runtimes[artifact.digest] = WasmRuntime(
+                    artifact, progress=progress)
+            return derived
         if _runtime is None:
             _runtime = WasmRuntime(progress=progress)
         return _runtime
@@ -911,10 +928,11 @@ class WasmBackend(Backend):
             request = encode_request(fields)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        preopens = job.files.preopens() if job.files is not None else []
         try:
-            # The pool holds instances for the runtime's own path only.
-            store, execute = (rt.take() if self.run_path == rt.run_path
-                              else rt.instantiate(self.run_path))
+            # The pool holds instances for the runtime's own path, without preopens, only.
+            store, execute = (rt.take() if self.run_path == rt.run_path and not preopens
+                              else rt.instantiate(self.run_path, preopens))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if self.run_path == "native" else None

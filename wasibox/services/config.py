@@ -18,6 +18,8 @@ Example::
     limits = { fuel = 1_000_000_000, memory_bytes = "256MiB", timeout_s = 2 }
     functions = { lookup = "myapp.sandbox_functions:lookup" }
     backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
+    python_path = ["/data/lib"]      # guest directories first on sys.path
+    packages = ["attrs"]             # pure-Python wheels, built into the tenant's guest
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
@@ -138,6 +140,7 @@ class MountConfig(_Strict):
     writable: bool = False
     quota_bytes: Size | None = None
     quota_files: int | None = Field(default=None, gt=0)
+    c_access: bool = False
 
     @pydantic.field_validator("host", mode="after")
     @classmethod
@@ -162,7 +165,8 @@ class MountConfig(_Strict):
         if self.quota_files is not None:
             quotas["quota_files"] = self.quota_files
         try:
-            return Mount(self.host, self.guest, writable=self.writable, **quotas)
+            return Mount(self.host, self.guest, writable=self.writable,
+                         c_access=self.c_access, **quotas)
         except UsageError as exc:
             raise ValueError(str(exc)) from None
 
@@ -238,6 +242,19 @@ class TenantConfig(_Strict):
     #: Let the microVM run under QEMU's software emulation (TCG), which is not a security
     #: boundary; unset, the WASIBOX_ALLOW_EMULATION environment variable decides.
     allow_emulation: bool | None = None
+    #: Guest directories (inside the mounts) put first on the guest's sys.path, so runs
+    #: import the modules and packages there: ["/src"].
+    python_path: list[Annotated[str, Field(pattern=r"^/[^\x00]*$")]] = []
+    #: Third-party pure-Python packages for the guest, as pip requirements: ["attrs",
+    #: "pyyaml==6.0.2"]. Resolved with pip (wheels only) and built into the tenant's guest
+    #: when the service starts (a minute or two, once per package set).
+    packages: list[str] = []
+    #: Where pip finds the packages: local wheel directories (relative to this file)...
+    package_find_links: list[Path] = []
+    #: ...a package index instead of pip's configured one...
+    package_index_url: str | None = None
+    #: ...and whether to use only package_find_links.
+    package_no_index: bool = False
 
     @pydantic.field_validator("token_sha256")
     @classmethod
@@ -245,6 +262,39 @@ class TenantConfig(_Strict):
         if value is not None and not _SHA256_HEX.match(value):
             raise ValueError("must be 64 lowercase hex digits (the SHA-256 of the token)")
         return value
+
+    @pydantic.field_validator("package_find_links", mode="after")
+    @classmethod
+    def _wheelhouses(cls, links: list[Path], info: pydantic.ValidationInfo) -> list[Path]:
+        base = (info.context or {}).get("base_dir")
+        return [Path(base) / link if base is not None and not link.is_absolute() else link
+                for link in links]
+
+    @pydantic.model_validator(mode="after")
+    def _valid_packages(self) -> TenantConfig:
+        self.sandbox_options()
+        return self
+
+    def sandbox_options(self) -> dict[str, Any]:
+        """The Sandbox options for the tenant's programs: ``python_path`` and ``packages``.
+
+        Raises ValueError (for pydantic) for a requirement Packages refuses.
+        """
+        options: dict[str, Any] = {"python_path": list(self.python_path)}
+        if self.packages:
+            from .._packages import Packages
+
+            try:
+                options["packages"] = Packages(
+                    requirements=tuple(self.packages), index_url=self.package_index_url,
+                    find_links=tuple(str(link) for link in self.package_find_links),
+                    no_index=self.package_no_index)
+            except UsageError as exc:
+                raise ValueError(str(exc)) from None
+        elif self.package_find_links or self.package_index_url or self.package_no_index:
+            raise ValueError("package_find_links, package_index_url and package_no_index "
+                             "say where to find packages: list the packages in packages")
+        return options
 
     @pydantic.field_validator("limits", mode="after")
     @classmethod

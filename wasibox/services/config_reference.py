@@ -48,6 +48,18 @@ MEANINGS = {
     "tenants.NAME.http": "Mediated HTTP (the table below); unset: no network access.",
     "tenants.NAME.functions": "Host functions the guest may call (`import host`), by name: "
                               "`name = \"package.module:function\"`.",
+    "tenants.NAME.python_path": "Guest directories (inside the mounts) put first on the "
+                                "guest's `sys.path`, so runs import the modules there: "
+                                "`[\"/src\"]`.",
+    "tenants.NAME.packages": "Third-party pure-Python packages for the guest, as pip "
+                             "requirements (`[\"attrs\", \"pyyaml==6.0.2\"]`): resolved with "
+                             "pip (wheels only) and built into the tenant's guest when the "
+                             "service starts, once per package set.",
+    "tenants.NAME.package_find_links": "Local wheel directories pip also searches for "
+                                       "`packages`, relative to the config file's directory.",
+    "tenants.NAME.package_index_url": "The package index for `packages` instead of pip's "
+                                      "configured one.",
+    "tenants.NAME.package_no_index": "Take `packages` from `package_find_links` only.",
     "tenants.NAME.limits.fuel": "CPU budget in fuel units (deterministic); unset, "
                                 "`ceil(timeout_s * 1e10)`, enough for the whole timeout.",
     "tenants.NAME.limits.memory_bytes": "Cap on the guest's memory; past it, `MemoryError`.",
@@ -67,6 +79,9 @@ MEANINGS = {
     "tenants.NAME.mounts.writable": "Whether runs may change it; changes are published only "
                                     "when a run ends ok.",
     "tenants.NAME.mounts.quota_bytes": "Byte quota of a writable mount (past it, `ENOSPC`).",
+    "tenants.NAME.mounts.c_access": "Show a writable mount to C code in the guest too "
+                                    "(`sqlite3` databases): its staging holds private copies "
+                                    "of its files, and its runs get a new instance.",
     "tenants.NAME.mounts.quota_files": "Files and directories a writable mount may hold "
                                        "(past it, `EDQUOT`).",
     "tenants.NAME.http.allow_loopback_endpoints": "Exact services on the host's loopback "

@@ -122,7 +122,8 @@ class McpPolicy:
         return Sandbox(limits, seed=self.config.seed, clock=self.config.clock,
                        entropy=self.config.entropy, mounts=mounts, workspace=workspace,
                        http=http, functions=self.functions, backend=self.config.backend,
-                       allow_emulation=self.config.allow_emulation)
+                       allow_emulation=self.config.allow_emulation,
+                       **self.config.sandbox_options())
 
     def warnings(self) -> list[str]:
         """What the operator should know at start-up (see ``TenantConfig.warnings``)."""
@@ -622,13 +623,18 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         return ToolError(str(exc))
 
     async def run_in_sandbox(code: str, root: Path, timeout: float, notes: list[str],
-                             ctx: Context) -> CallToolResult:
-        """Run ``code`` with ``root`` at /workspace, sending progress while it runs."""
+                             ctx: Context, program: dict[str, Any]) -> CallToolResult:
+        """Run ``code`` with ``root`` at /workspace, sending progress while it runs;
+        ``program`` holds the run's stdin, argv and env."""
         try:
             sandbox = policy.sandbox(root, timeout)
         except WasiboxError as exc:
             raise ToolError(operator_message(exc)) from None
-        task = asyncio.ensure_future(sandbox.arun(code))
+        try:
+            task = asyncio.ensure_future(sandbox.arun(code, **program))
+        except WasiboxError as exc:  # a bad stdin, argv or env: refused before it starts
+            sandbox.close()
+            raise tool_error(exc) from None
         try:
             started = time.monotonic()
             while True:
@@ -659,6 +665,12 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         code: Annotated[str, Field(description="the Python source to run")],
         ctx: Context,
         timeout_s: Annotated[float | None, Field(gt=0, description=TIMEOUT_DESCRIPTION)] = None,
+        stdin: Annotated[str | None, Field(
+            description="text the code reads from sys.stdin (default: empty)")] = None,
+        argv: Annotated[list[str] | None, Field(
+            description="the code's whole sys.argv, argv[0] included (default: [''])")] = None,
+        env: Annotated[dict[str, str] | None, Field(
+            description="the code's os.environ (default: empty)")] = None,
     ) -> Annotated[CallToolResult, RunReport]:
         notes: list[str] = []
         ceiling = policy.limits.timeout_s
@@ -680,7 +692,8 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                              f"{store.idle_timeout_s:g} s without a call; /workspace started "
                              "empty")
         try:
-            return await run_in_sandbox(code, root, timeout, notes, ctx)
+            return await run_in_sandbox(code, root, timeout, notes, ctx,
+                                        {"stdin": stdin, "argv": argv, "env": env})
         finally:
             if key is None:
                 store.discard(root)

@@ -88,6 +88,16 @@ class RunRequest(BaseModel):
         description="lower some of the tenant's limits for this run, with the keys of the "
                     "config file's limits table (fuel, timeout_s, memory_bytes, ...); a value "
                     "above the tenant's own is refused with 422")
+    stdin: str | None = Field(default=None,
+                              description="what the program reads from sys.stdin (default: "
+                                          "empty); at most 16 times the source_bytes limit")
+    argv: list[str] | None = Field(default=None,
+                                   description="the program's whole sys.argv, argv[0] "
+                                               "included (default: [''])")
+    env: dict[str, str] | None = Field(default=None,
+                                       description="the program's os.environ (default: "
+                                                   "empty; the service's own never reaches "
+                                                   "it)")
 
 
 class CallRequest(RunRequest):
@@ -221,7 +231,8 @@ def make_sandbox(name: str, tenant: TenantConfig) -> Sandbox:
         return Sandbox(tenant.limits.to_limits(), seed=tenant.seed, clock=tenant.clock,
                        entropy=tenant.entropy, max_concurrency=tenant.max_concurrency,
                        max_queue=tenant.max_queue, backend=tenant.backend,
-                       allow_emulation=tenant.allow_emulation, **grants)
+                       allow_emulation=tenant.allow_emulation, **grants,
+                       **tenant.sandbox_options())
     except ConfigError:
         raise
     except UsageError as exc:  # e.g. two mounts at the same guest path
@@ -402,11 +413,11 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
         started = time.perf_counter()
         narrow = body.limits.model_dump(exclude_none=True) if body.limits else None
         try:
-            if isinstance(body, CallRequest):
-                handle = tenant.sandbox.start(body.code, entry=body.entry, args=body.args,
-                                              kwargs=body.kwargs, limits=narrow)
-            else:
-                handle = tenant.sandbox.start(body.code, limits=narrow)
+            entry, args, kwargs = ((body.entry, body.args, body.kwargs)
+                                   if isinstance(body, CallRequest) else (None, [], None))
+            handle = tenant.sandbox.start(body.code, entry=entry, args=args, kwargs=kwargs,
+                                          limits=narrow, stdin=body.stdin, argv=body.argv,
+                                          env=body.env)
             result = await _unless_disconnected(request, handle)
         except Busy:
             metrics.rejected.labels("busy").inc()

@@ -15,7 +15,9 @@ guest gets *no* preopens at all, and the guest runner routes ``open``, ``os.*`` 
 built on them (pathlib, csv over files, shutil, os.walk, tempfile) through the ``files``
 interface (``guest/wit/files.wit``); everything here is ordinary host Python, checked
 before it touches the disk. Bypassing the guest's Python-level patches reaches nothing: there
-is no WASI directory to reach.
+is no WASI directory to reach. The exception is a ``c_access`` mount, which C code (sqlite3)
+needs: it is also preopened, but only as the run's private staging tree of copies, and what
+it holds is checked when the run ends (docs/c-level-files.md).
 
 The price, measured with ``bench/files.py`` on a shared, loaded 2-core machine (so the
 figures moved between runs): reading through the host in 64 KiB chunks ran at 8-28 MB/s

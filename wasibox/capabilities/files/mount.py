@@ -43,8 +43,15 @@ class Mount:
     ``Mount.scratch("/tmp")`` is a writable directory that starts empty for every run and
     is thrown away when the run ends (``host_path`` is None).
 
-    Raises UsageError if ``host_path`` is not an existing directory, or ``guest_path`` is
-    not an absolute path below ``/``.
+    ``c_access=True`` also shows a writable or scratch mount to C code inside the wasm guest
+    (``sqlite3.connect("/out/db.sqlite")``), through a WASI preopen of the run's staging
+    tree. Such a run gets a new guest instance rather than a pooled one, and its staging
+    holds private copies of the mount's files, copied at the start of every run (instead of
+    links), so C code never writes a host file in place; the quotas and refusals are then
+    checked on what the tree holds when the run ends (see docs/c-level-files.md).
+
+    Raises UsageError if ``host_path`` is not an existing directory, ``guest_path`` is not
+    an absolute path below ``/``, or ``c_access`` is asked of a read-only mount.
     """
 
     host_path: str | os.PathLike[str] | None
@@ -52,15 +59,22 @@ class Mount:
     writable: bool = False
     quota_bytes: int | str = 64 * 2**20
     quota_files: int = 10_000
+    c_access: bool = False
 
     @classmethod
     def scratch(cls, guest_path: str = "/tmp", *, quota_bytes: int | str = 64 * 2**20,
-                quota_files: int = 10_000) -> Mount:
+                quota_files: int = 10_000, c_access: bool = False) -> Mount:
         """A private, empty, writable directory for each run, discarded when it ends."""
         return cls(None, guest_path, writable=True, quota_bytes=quota_bytes,
-                   quota_files=quota_files)
+                   quota_files=quota_files, c_access=c_access)
 
     def __post_init__(self) -> None:
+        if self.c_access and not self.writable:
+            # A preopen of the host directory itself would show C code what the Python view
+            # hides (links, FIFOs, other runs' staging): only a private staging tree is safe.
+            raise UsageError("c_access needs a writable (or scratch) mount, whose staging "
+                             "tree C code can be given; mount it writable with a quota")
+        object.__setattr__(self, "c_access", bool(self.c_access))
         if self.host_path is None:
             if not self.writable:
                 raise UsageError("a scratch Mount (host_path=None) must be writable")

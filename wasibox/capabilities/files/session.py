@@ -21,7 +21,7 @@ from typing import Any
 
 from ..._result import FileRecord, RefusedFile
 from .mount import MAX_DEPTH, STAGING_DIR, Mount, lexical_parts
-from .staging import COPY_CHUNK, Inode, Mounted, plan_mount, publish_mount
+from .staging import Inode, Mounted, copy_contents, plan_mount, publish_mount
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, blocked, walk
 
 __all__ = [
@@ -186,6 +186,12 @@ class FileSession:
     def trees(self) -> dict[str, Path]:
         """Guest path -> host staging tree of each writable mount (for directory backends)."""
         return {m.mount.guest_path: m.tree for m in self._mounted if m.tree is not None}
+
+    def preopens(self) -> list[tuple[str, str]]:
+        """(host directory, guest path) of each ``c_access`` mount, for a WASI preopen: the
+        run's staging tree of a writable mount, the scratch directory of a scratch one."""
+        return [(str(m.tree if m.tree is not None else m.host), m.mount.guest_path)
+                for m in self._mounted if m.mount.c_access]
 
     def views(self) -> list[tuple[Mount, int | None]]:
         """Each mount with a descriptor of the directory its guest view starts at: the host
@@ -504,11 +510,7 @@ class FileSession:
             dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=parent)
             try:
-                while chunk := os.read(src, COPY_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(dst, view):]
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                copy_contents(src, dst, st)
                 copied = os.fstat(dst)
             finally:
                 os.close(dst)

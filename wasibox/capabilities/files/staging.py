@@ -9,6 +9,7 @@ The threat the files capability mediates, and what it guarantees, open this pack
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -29,6 +30,7 @@ from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, walk
 __all__ = [
     "COPY_CHUNK",
     "STAGING_README",
+    "copy_contents",
     "Inode",
     "Mounted",
     "Plan",
@@ -95,6 +97,9 @@ class Mounted:
         self.tree: Path | None = None
         #: rel path -> (kind, inode) of what the host held when the run started.
         self.baseline: dict[tuple[str, ...], tuple[str, int]] = {}
+        #: inode -> (path, size, mtime in ns) of each private copy a c_access staging made of
+        #: a host file; a copy still at that path with that size and mtime is unchanged.
+        self.copies: dict[int, tuple[tuple[str, ...], int, int]] = {}
         #: inode -> the permission bits the guest set, where the disk keeps the owner access
         #: the host needs (see _owner_bits in session.py); shown by stat and published with
         #: the file.
@@ -208,8 +213,11 @@ class Mounted:
                 self.baseline[(*rel, name)] = ("directory", st.st_ino)
             elif stat.S_ISREG(st.st_mode):
                 try:
-                    os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
-                            follow_symlinks=False)
+                    if self.mount.c_access:
+                        self._copy_in(src_fd, dst_fd, name, (*rel, name))
+                    else:
+                        os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
+                                follow_symlinks=False)
                 except OSError:
                     continue  # e.g. protected_hardlinks: the file stays invisible to the guest
                 self.baseline[(*rel, name)] = ("regular", st.st_ino)
@@ -218,6 +226,25 @@ class Mounted:
                 self.linked(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
             # Symlinks, FIFOs, devices and sockets in the host directory are not shown to
             # the guest of a writable mount, and publishing never touches them.
+
+    def _copy_in(self, src_fd: int, dst_fd: int, name: str, path: tuple[str, ...]) -> None:
+        """Stage a private copy of the host's regular file ``name`` (for C access), with its
+        mode and times. Raises OSError if it is no longer a regular file."""
+        src = os.open(name, FILE_FLAGS, dir_fd=src_fd)
+        try:
+            st = os.fstat(src)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.ENXIO, "not a regular file")
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=dst_fd)
+            try:
+                copy_contents(src, dst, st)
+                copied = os.fstat(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        self.copies[copied.st_ino] = (path, copied.st_size, copied.st_mtime_ns)
 
     def close(self) -> None:
         for fd in (self.root_fd if self.root_fd != self.host_fd else None, self.host_fd,
@@ -237,6 +264,15 @@ class Mounted:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+
+
+def copy_contents(src: int, dst: int, st: os.stat_result) -> None:
+    """Copy the open file ``src`` into ``dst``, then give ``dst`` the times in ``st``."""
+    while chunk := os.read(src, COPY_CHUNK):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view):]
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _open_staging(host_fd: int) -> int:
@@ -443,6 +479,9 @@ def _plan(mounted: Mounted, dir_fd: int, rel: tuple[str, ...], plan: Plan,
         names = sorted(entry.name for entry in listing)
     for name in names:
         path = (*rel, name)
+        if path == (STAGING_DIR,):  # made by C code (c_access): never moved onto the real one
+            plan.refused.append(RefusedFile(path=name, reason="a name wasibox reserves"))
+            continue
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         baseline = mounted.baseline.get(path)
         if stat.S_ISDIR(st.st_mode) and len(path) > MAX_DEPTH:
@@ -460,8 +499,10 @@ def _plan(mounted: Mounted, dir_fd: int, rel: tuple[str, ...], plan: Plan,
             finally:
                 os.close(child)
         elif stat.S_ISREG(st.st_mode):
-            if baseline == ("regular", st.st_ino):
-                plan.seen.add(path)  # the host's own file, unchanged
+            if baseline == ("regular", st.st_ino) or (
+                    baseline is not None and baseline[0] == "regular"
+                    and mounted.copies.get(st.st_ino) == (path, st.st_size, st.st_mtime_ns)):
+                plan.seen.add(path)  # the host's own file (or its private copy), unchanged
                 plan.sizes[st.st_ino] = st.st_size
                 continue
             if st.st_nlink > 1 and st.st_ino not in inodes:
