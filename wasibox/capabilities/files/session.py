@@ -21,7 +21,7 @@ from typing import Any
 
 from ..._result import FileRecord, RefusedFile
 from .mount import MAX_DEPTH, STAGING_DIR, Mount, lexical_parts
-from .staging import Inode, Mounted, copy_contents, plan_mount, publish_mount
+from .staging import Inode, Mounted, copy_file, plan_mount, publish_mount
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, blocked, walk
 
 __all__ = [
@@ -507,13 +507,7 @@ class FileSession:
             if (shared is None or shared.links > 1) and (
                     mounted.used_bytes + st.st_size > mounted.quota_bytes):
                 raise FilesError("nospc")
-            dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=parent)
-            try:
-                copy_contents(src, dst, st)
-                copied = os.fstat(dst)
-            finally:
-                os.close(dst)
+            copied = copy_file(src, st, parent, temp)
         finally:
             os.close(src)
         os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)

@@ -30,7 +30,7 @@ from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, walk
 __all__ = [
     "COPY_CHUNK",
     "STAGING_README",
-    "copy_contents",
+    "copy_file",
     "Inode",
     "Mounted",
     "Plan",
@@ -235,13 +235,7 @@ class Mounted:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.ENXIO, "not a regular file")
-            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) | 0o600, dir_fd=dst_fd)
-            try:
-                copy_contents(src, dst, st)
-                copied = os.fstat(dst)
-            finally:
-                os.close(dst)
+            copied = copy_file(src, st, dst_fd, name)
         finally:
             os.close(src)
         self.copies[copied.st_ino] = (path, copied.st_size, copied.st_mtime_ns)
@@ -266,13 +260,21 @@ class Mounted:
             self.run_dir = None
 
 
-def copy_contents(src: int, dst: int, st: os.stat_result) -> None:
-    """Copy the open file ``src`` into ``dst``, then give ``dst`` the times in ``st``."""
-    while chunk := os.read(src, COPY_CHUNK):
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(dst, view):]
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+def copy_file(src: int, st: os.stat_result, dir_fd: int, name: str) -> os.stat_result:
+    """Copy the open file ``src``, whose status is ``st``, into a new file ``name`` in
+    ``dir_fd`` (never through a link, never over an existing name), with its mode (and the
+    owner's read and write) and its times; return the new file's status. Raises OSError."""
+    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  stat.S_IMODE(st.st_mode) | 0o600, dir_fd=dir_fd)
+    try:
+        while chunk := os.read(src, COPY_CHUNK):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view):]
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return os.fstat(dst)
+    finally:
+        os.close(dst)
 
 
 def _open_staging(host_fd: int) -> int:
