@@ -118,7 +118,8 @@ class Sandbox:
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
     def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                max_age_s: float = DEFAULT_MAX_AGE_S) -> Session:
+                max_age_s: float = DEFAULT_MAX_AGE_S,
+                publish: Literal["on_close", "always"] = "on_close") -> Session:
         """Open a ``Session``: one live interpreter whose globals, imports and open files
         persist from one ``session.run(code)`` to the next.
 
@@ -128,13 +129,17 @@ class Sandbox:
         first. With ``backend="auto"`` it runs on wasm, unless ``requires`` names a module
         only the microVM has. Close it (or use ``with``) to free its guest.
 
-        Raises UsageError for a timeout that is not a positive number of seconds, or if the
-        backend keeps no sessions, GuestBuildError if the guest cannot be started, and
-        SandboxClosed after ``close()``.
+        Writes to writable mounts are published when the session closes or expires; with
+        ``publish="always"`` also when a limit or a trap ends it (by default those discard
+        them, as a failed run's writes are discarded).
+
+        Raises UsageError for a timeout that is not a positive number of seconds, an unknown
+        ``publish``, or if the backend keeps no sessions, GuestBuildError if the guest cannot
+        be started, and SandboxClosed after ``close()``.
         """
         self._ensure_open()
         session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
-                          max_age_s=max_age_s)
+                          max_age_s=max_age_s, publish=publish)
         with self._lock:
             self._sessions.add(session)
         return session
