@@ -3,7 +3,6 @@ loopback."""
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ import pytest
 
 from wasibox._config import hash_token
 
-from .test_server import TOKENS, Server
+from .test_server import TOKENS, Server, serving
 
 pytestmark = pytest.mark.guest
 
@@ -47,11 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("serve-sessions") / "wasibox.toml"
     config.write_text(CONFIG)
     TOKENS.update(SESSION_TOKENS)
-    live = Server(config)
-    yield live
-    live.stop()
-    assert live.process.returncode in (0, -signal.SIGTERM), "".join(live.lines)
-    assert "Traceback" not in "".join(live.lines)
+    yield from serving(config)
 
 
 def open_session(client: httpx.Client) -> str:
