@@ -18,6 +18,7 @@ Example::
     limits = { fuel = 1_000_000_000, memory_bytes = "256MiB", timeout_s = 2 }
     functions = { lookup = "myapp.sandbox_functions:lookup" }
     backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
+    sessions = { max_sessions = 4, idle_timeout_s = 600 }   # live interpreters (/v1/sessions)
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
