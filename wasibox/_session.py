@@ -226,7 +226,9 @@ class Session:
             self._last_used = time.monotonic()
             limit = result.limit_exceeded
             if limit is not None and (limit is not Limit.CANCELLED or not guest.alive):
-                self._end(SessionEnd.LIMIT, f"a call exceeded its {limit.value} limit", result)
+                self._end(SessionEnd.LIMIT, "a call was cancelled while it ran"
+                          if limit is Limit.CANCELLED else
+                          f"a call exceeded its {limit.value} limit", result)
             elif not guest.alive:
                 self._end(SessionEnd.TRAP, "its guest trapped or exited, so its interpreter "
                                            "is gone", result)
