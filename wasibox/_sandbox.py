@@ -304,11 +304,20 @@ class Sandbox:
         return dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
                                    kwargs=dict(kwargs or {}))
 
+    def _context_job(self, code: str, narrow: Mapping[str, Any] | None,
+                     stdin: str | bytes | None, argv: Sequence[str] | None,
+                     env: Mapping[str, str] | None) -> Job:
+        """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
+        return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
+
+    def _result(self, outcome: Outcome, backend: str) -> RunResult:
+        """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES)
+
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
-        return run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
-            control)
+        return run_with_files(job, lambda job: self._result(
+            backend.execute(job, control), backend.name), control)
 
     def _cancelled_result(self, job: Job) -> RunResult:
         return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
