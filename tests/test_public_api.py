@@ -14,8 +14,9 @@ EXPECTED = {
     "FileRecord", "FunctionRefused", "GuestBuildError", "GuestError", "GuestException",
     "GuestMismatch", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount",
     "NativeOnlyPackage", "Packages", "RefusedFile",
-    "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Transform",
-    "TransformProgress", "TransformSpec", "UsageError", "VMError", "WasiboxError",
+    "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Session", "SessionEnd",
+    "SessionEnded", "Transform", "TransformProgress", "TransformSpec", "UsageError", "VMError",
+    "WasiboxError",
     "guest_digest", "run",
 }
 

@@ -18,6 +18,7 @@ from ._errors import (
     LimitExceeded,
     NativeOnlyPackage,
     SandboxClosed,
+    SessionEnded,
     UsageError,
     VMError,
     WasiboxError,
@@ -28,6 +29,7 @@ from ._limits import Limit, Limits
 from ._packages import Packages, guest_digest
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
+from ._session import Session, SessionEnd
 from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 from .capabilities.http import HttpPolicy
@@ -58,6 +60,9 @@ __all__ = [
     "RunState",
     "Sandbox",
     "SandboxClosed",
+    "Session",
+    "SessionEnd",
+    "SessionEnded",
     "Transform",
     "TransformProgress",
     "TransformSpec",

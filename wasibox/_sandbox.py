@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from ._files import FileSession, Mount, QuotaExceeded, check_mounts
 from ._limits import Limit, Limits
 from ._packages import Packages, PackageSet, packages_from, resolve
 from ._result import GuestException, Outcome, RunResult, build_result
+from ._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S, Session
 from .backends.base import Backend, Job, Policy
 from .capabilities.hostcall import check_functions
 from .capabilities.http import HttpPolicy
@@ -127,6 +129,34 @@ class Sandbox:
                               max_concurrency=max_concurrency, max_queue=max_queue)
         self._closed = False
         self._lock = threading.Lock()
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+    def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                max_age_s: float = DEFAULT_MAX_AGE_S,
+                publish: Literal["on_close", "always"] = "on_close") -> Session:
+        """Open a ``Session``: one live interpreter whose globals, imports and open files
+        persist from one ``session.run(code)`` to the next.
+
+        Each call has its own limits (this Sandbox's, narrowed per call); the session's
+        guest lives under this Sandbox's ``memory_bytes`` for its whole life, and ends after
+        ``idle_timeout_s`` without a call or ``max_age_s`` after it opened, whichever comes
+        first. With ``backend="auto"`` it runs on wasm, unless ``requires`` names a module
+        only the microVM has. Close it (or use ``with``) to free its guest.
+
+        Writes to writable mounts are published when the session closes or expires; with
+        ``publish="always"`` also when a limit or a trap ends it (by default those discard
+        them, as a failed run's writes are discarded).
+
+        Raises UsageError for a timeout that is not a positive number of seconds, an unknown
+        ``publish``, or if the backend keeps no sessions, GuestBuildError if the guest cannot
+        be started, and SandboxClosed after ``close()``.
+        """
+        self._ensure_open()
+        session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
+                          max_age_s=max_age_s, publish=publish)
+        with self._lock:
+            self._sessions.add(session)
+        return session
 
     def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
             kwargs: Mapping[str, Any] | None = None,
@@ -214,6 +244,8 @@ class Sandbox:
             if self._closed:
                 return
             self._closed = True
+        for session in list(self._sessions):
+            session.close()
         self._runner.close()
         self._backend.close()
         if self._microvm is not None:
@@ -286,16 +318,32 @@ class Sandbox:
         return dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
                                    kwargs=dict(kwargs or {}))
 
+    def _context_job(self, code: str, narrow: Mapping[str, Any] | None,
+                     stdin: str | bytes | None, argv: Sequence[str] | None,
+                     env: Mapping[str, str] | None) -> Job:
+        """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
+        return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
+
+    def _result(self, outcome: Outcome, backend: str) -> RunResult:
+        """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
+        pins = self.package_set.pins if self.package_set is not None else ()
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES, packages=pins)
+
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
-        pins = self.package_set.pins if self.package_set is not None else ()
-        return run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES, packages=pins),
-            control)
+        return run_with_files(job, lambda job: self._result(
+            backend.execute(job, control), backend.name), control)
 
     def _cancelled_result(self, job: Job) -> RunResult:
         return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
                             REPLY_LIMIT_BYTES)
+
+    def _session_backend(self) -> Backend:
+        """The backend a session runs on: chosen from ``requires`` alone, since its code
+        comes later, one call at a time."""
+        if not self._auto:
+            return self._backend
+        return self._choose(Job(op="run", code="", limits=self.limits, policy=self.policy))
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""
