@@ -6,7 +6,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl
@@ -17,6 +17,9 @@ from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
+
+if TYPE_CHECKING:
+    from ._journal import Journal, Tape
 
 __all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 
@@ -118,7 +121,8 @@ class Sandbox:
             kwargs: Mapping[str, Any] | None = None,
             limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
             argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-            filename: str | None = None) -> RunResult:
+            filename: str | None = None,
+            journal: Journal | str | os.PathLike[str] | None = None) -> RunResult:
         """Run ``code`` in a fresh interpreter and report what happened.
 
         With ``entry``, the function of that name is then called with ``args`` and
@@ -137,36 +141,44 @@ class Sandbox:
         is the name tracebacks and ``__file__`` give the code (default ``<sandbox>``): the
         code's guest path when it came from a mounted file.
 
+        ``journal`` (a ``wasibox.Journal``, or a file path written when the run ends) records
+        the run so that ``wasibox.replay`` can re-execute it offline and check its outputs
+        and fuel (see docs/journal.md). A journaled run never moves to the microVM.
+
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
         ``limits.source_bytes``, if the arguments cannot cross the boundary, for ``limits``
         that would not narrow the sandbox's, if ``stdin`` is larger than
         ``limits.source_bytes`` times 16 (``STDIN_LIMIT_FACTOR``), or if ``argv``, ``env`` or
-        ``filename`` are not str (without NUL; env names without ``=``), Busy if
+        ``filename`` are not str (without NUL; env names without ``=``), or if ``journal``
+        cannot record on this backend or records another sandbox's runs, Busy if
         ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
         after ``close()``.
         """
         return self._runner.run(self._job(code, entry, args, kwargs, limits,
-                                          _Context(stdin, argv, env, filename)))
+                                          _Context(stdin, argv, env, filename), journal))
 
     async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
                    kwargs: Mapping[str, Any] | None = None,
                    limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
                    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-                   filename: str | None = None) -> RunResult:
+                   filename: str | None = None,
+                   journal: Journal | str | os.PathLike[str] | None = None) -> RunResult:
         """``run`` for async code: the run executes on a worker thread; the loop never blocks.
 
         Cancelling the awaiting task stops the guest promptly, frees its instance, and then
         raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
         """
         return await self.start(code, entry=entry, args=args, kwargs=kwargs, limits=limits,
-                                stdin=stdin, argv=argv, env=env, filename=filename)
+                                stdin=stdin, argv=argv, env=env, filename=filename,
+                                journal=journal)
 
     def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
               kwargs: Mapping[str, Any] | None = None,
               limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
               argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-              filename: str | None = None) -> RunHandle:
+              filename: str | None = None,
+              journal: Journal | str | os.PathLike[str] | None = None) -> RunHandle:
         """Start a run on a worker thread and return its handle at once.
 
         ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
@@ -174,7 +186,7 @@ class Sandbox:
         the queue is full, and UsageError/SandboxClosed as ``run`` does.
         """
         return self._runner.start(self._job(code, entry, args, kwargs, limits,
-                                            _Context(stdin, argv, env, filename)))
+                                            _Context(stdin, argv, env, filename), journal))
 
     def call(self, code: str, entry: str, /, *args: Any,
              limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -255,7 +267,8 @@ class Sandbox:
 
     def _job(self, code: str, entry: str | None, args: Sequence[Any],
              kwargs: Mapping[str, Any] | None, narrow: Mapping[str, Any] | None,
-             context: _Context | None = None) -> Job:
+             context: _Context | None = None,
+             journal: Journal | str | os.PathLike[str] | None = None) -> Job:
         """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
         self._ensure_open()
         limits = self.limits if narrow is None else self.limits.narrow(narrow)
@@ -266,25 +279,67 @@ class Sandbox:
         if entry is None:
             if args or kwargs:
                 raise UsageError("args and kwargs need an entry function to pass them to")
+        else:
+            if not isinstance(entry, str) or not entry.isidentifier():
+                raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
+            job = dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
+                                      kwargs=dict(kwargs or {}))
+        if journal is None:
             return job
-        if not isinstance(entry, str) or not entry.isidentifier():
-            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
-                                   kwargs=dict(kwargs or {}))
+        return dataclasses.replace(job, tape=self._record(job, journal))
+
+    def _record(self, job: Job, journal: Journal | str | os.PathLike[str]) -> Tape:
+        """Start recording ``job`` into ``journal``; raises UsageError as ``run`` says."""
+        from ._journal import Journal, header_for, request_of
+
+        target = None
+        if not isinstance(journal, Journal):
+            if not isinstance(journal, str | os.PathLike):
+                raise UsageError("journal must be a wasibox.Journal or a file path, not "
+                                 f"{type(journal).__name__}")
+            target, journal = journal, Journal()
+        digest = getattr(self._backend, "guest_digest", None)
+        if not isinstance(digest, str):
+            raise UsageError(f"the {self._backend.name} backend does not record journals: "
+                             "only the deterministic wasm backend can be replayed")
+        try:
+            request = request_of(job)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        tape = journal.begin(header_for("run", digest, self.policy, self.limits,
+                                        self.python_path), request)
+        tape.save_to = target
+        return tape
+
+    def _run_taped(self, keywords: dict[str, Any], tape: Tape) -> RunResult:
+        """Replay one recorded run: its request, with ``tape`` serving the boundary."""
+        keywords = dict(keywords)
+        context = _Context(keywords.pop("stdin"), keywords.pop("argv"), keywords.pop("env"),
+                           keywords.pop("filename"))
+        job = self._job(keywords.pop("code"), keywords.pop("entry", None),
+                        keywords.pop("args", ()), keywords.pop("kwargs", None),
+                        keywords.pop("limits"), context)
+        return self._runner.run(dataclasses.replace(job, tape=tape))
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
-        return run_with_files(job, lambda job: build_result(
+        result = run_with_files(job, lambda job: build_result(
             backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
             control)
+        if job.tape is not None and not job.tape.replaying:
+            job.tape.finish(result)
+        return result
 
     def _cancelled_result(self, job: Job) -> RunResult:
-        return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
-                            REPLY_LIMIT_BYTES)
+        result = build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
+                              REPLY_LIMIT_BYTES)
+        if job.tape is not None and not job.tape.replaying:
+            job.tape.finish(result)
+        return result
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""
-        if not self._auto:
+        if not self._auto or job.tape is not None:  # only wasm runs can be replayed
             return self._backend
         from ._select import wasm_lacks
 

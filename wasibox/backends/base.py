@@ -19,6 +19,7 @@ from .._result import Outcome
 
 if TYPE_CHECKING:
     from .._files import FileSession, Mount
+    from .._journal import Tape
 
 __all__ = ["Backend", "Job", "Outcome", "Policy", "RunControl"]
 
@@ -78,6 +79,10 @@ class Job:
     argv: tuple[str, ...] | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     stdin: bytes | None = None
+    #: The journal tape of this call (``Sandbox.run(journal=...)``, ``wasibox.replay``), or
+    #: None. A backend that supports journals records every value it hands the guest on it
+    #: or, when the tape is replaying, serves the recorded value instead of asking the host.
+    tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""
