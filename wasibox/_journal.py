@@ -22,6 +22,8 @@ JSON Lines rather than msgpack: a journal is read by the person diagnosing a fai
 ``less``, ``grep`` or ``jq``; every value that crosses into the guest is already text or a
 number (the guest interfaces carry bytes as latin-1 strings, one char per byte), so nothing
 needs an opaque encoding; and a line-oriented file is decoded one bounded line at a time.
+Lines are written as ASCII (other characters as JSON ``\\u`` escapes), so a control
+character the guest was handed cannot split a line.
 
 **Bounds.** A journal is at most ``max_bytes`` (``DEFAULT_JOURNAL_BYTES``) as written. A
 recording that would pass it stops recording, keeps the run going unchanged, and ends the
@@ -80,12 +82,14 @@ _OUTCOME_FIELDS = ("ok", "exit_code", "stdout", "stderr", "stdout_truncated",
 
 
 def _line(record: Mapping[str, Any]) -> str:
-    """One journal line: compact JSON, non-ASCII kept as UTF-8, no NaN."""
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+    """One journal line: compact JSON, no NaN, and ASCII only: every other character is a
+    ``\\u`` escape, so no byte the guest was handed (a latin-1 NEL, U+2028, a lone
+    surrogate) can break a line or the encoding for any tool that reads the file."""
+    return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
 
 
 def _line_bytes(record: Mapping[str, Any]) -> int:
-    return len(_line(record).encode("utf-8", errors="surrogatepass"))
+    return len(_line(record))
 
 
 def exchange_key(args: Sequence[Any]) -> str:
@@ -193,7 +197,7 @@ class Journal:
                 break
             if self.truncated:
                 lines.append(_line({"truncated": {"max_bytes": self.max_bytes}}))
-        return "".join(lines).encode("utf-8", errors="surrogatepass")
+        return "".join(lines).encode("ascii")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the journal to ``path`` (replaced atomically).
@@ -225,7 +229,7 @@ class Journal:
             raise JournalError(f"the journal is larger than {max_bytes} bytes; pass a larger "
                                "max_bytes (--max-bytes) if you trust it")
         try:
-            text = data.decode("utf-8", errors="surrogatepass")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise JournalError(f"the journal is not UTF-8 text (byte {exc.start})") from None
         journal = cls(max_bytes=max(max_bytes, _MARKER_RESERVE + 1))
