@@ -13,7 +13,8 @@ EXPECTED = {
     "GuestBuildError", "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded",
     "Limits", "Mount",
     "RefusedFile", "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed",
-    "Transform", "TransformProgress", "TransformSpec", "UsageError", "WasiboxError",
+    "Session", "SessionEnd", "SessionEnded", "Transform", "TransformProgress",
+    "TransformSpec", "UsageError", "WasiboxError",
     "guest_digest", "run",
 }
 

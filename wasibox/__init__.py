@@ -15,6 +15,7 @@ from ._errors import (
     GuestError,
     LimitExceeded,
     SandboxClosed,
+    SessionEnded,
     UsageError,
     WasiboxError,
 )
@@ -25,6 +26,7 @@ from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
+from ._session import Session, SessionEnd
 from ._transform import Failed, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 
@@ -49,6 +51,9 @@ __all__ = [
     "RunState",
     "Sandbox",
     "SandboxClosed",
+    "Session",
+    "SessionEnd",
+    "SessionEnded",
     "Transform",
     "TransformProgress",
     "TransformSpec",

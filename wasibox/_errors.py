@@ -10,6 +10,7 @@
     ├── JournalError              a journal cannot be read or replayed (names the line)
     │   ├── GuestDigestMismatch   the journal was recorded by another guest (names both)
     │   └── ReplayMismatch        the replay's outputs differ from the journal's; ``.diff``
+    ├── SessionEnded              a Session was used after it ended; ``.reason`` says why
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
         ├── ConfigError           a service configuration file is invalid (names the key)
@@ -40,6 +41,7 @@ __all__ = [
     "LimitExceeded",
     "ReplayMismatch",
     "SandboxClosed",
+    "SessionEnded",
     "UsageError",
     "WasiboxError",
 ]
@@ -110,6 +112,30 @@ class Busy(WasiboxError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled whole (message, attributes), e.g. to travel back from a dask worker.
         return (_rebuilt, (type(self), (self.max_concurrency, self.max_queue), self.args,
+                           self.__dict__))
+
+
+class SessionEnded(WasiboxError):
+    """A call was made to a ``wasibox.Session`` that has ended; nothing ran.
+
+    ``reason`` is why it ended: ``"limit"`` (a call exceeded one of its limits, named by
+    ``result.limit_exceeded``), ``"trap"`` (the guest trapped or exited, so its interpreter
+    is gone), ``"idle"`` (no call for the session's idle timeout), ``"max_age"`` (it reached
+    its maximum age) or ``"closed"``. ``result`` is the RunResult of the call that ended it,
+    when a call did. A session is never restarted behind the caller's back: open a new one
+    and run its setup again.
+    """
+
+    def __init__(self, reason: str, detail: str, result: RunResult | None = None) -> None:
+        self.reason = reason
+        self.detail = detail
+        self.result = result
+        super().__init__(f"this session has ended ({detail}); its variables, imports and open "
+                         "files are gone. Open a new session (Sandbox.session()) and run its "
+                         "setup again")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.reason, self.detail, self.result), self.args,
                            self.__dict__))
 
 

@@ -57,7 +57,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
-from ._errors import GuestDigestMismatch, JournalError, ReplayMismatch, UsageError
+from ._errors import (
+    GuestDigestMismatch,
+    JournalError,
+    ReplayMismatch,
+    SessionEnded,
+    UsageError,
+)
 from ._limits import _FIELDS as LIMIT_FIELDS
 from ._limits import Limit, Limits
 from ._result import RunResult, json_value
@@ -329,6 +335,14 @@ class Tape:
                 self._call.outcome = outcome
         if self.save_to is not None:
             self._journal.save(self.save_to)
+
+    def abandon(self) -> None:
+        """Forget the call: it raised before the guest ran it, so there is nothing to replay."""
+        if self.replaying:
+            return
+        with self._journal._lock:
+            if self._call in self._journal._calls:
+                self._journal._calls.remove(self._call)
 
     def unserved(self) -> int:
         """How many recorded exchanges a replayed call did not ask for."""
@@ -653,13 +667,26 @@ def replay(journal: Journal | str | os.PathLike[str], *, check: bool = True,
     with Sandbox(Limits(**header["limits"]), seed=header["seed"], clock=header["clock"],
                  entropy=header["entropy"], backend="wasm",
                  python_path=header["python_path"]) as sandbox:
-        for index in range(journal.calls):
-            tape = replay_tape(journal, index)
-            result = sandbox._run_taped(replay_request(journal, index), tape)
-            results.append(result)
-            recorded = journal._calls[index].outcome
-            assert recorded is not None
-            differences.append(compare(recorded, result, tape))
+        # A session's calls replay in one new session, a run journal's each in a fresh
+        # interpreter, as they were recorded.
+        session = sandbox.session() if header["kind"] == "session" else None
+        try:
+            for index in range(journal.calls):
+                tape = replay_tape(journal, index)
+                keywords = replay_request(journal, index)
+                try:
+                    result = (session._run_taped(keywords, tape) if session is not None
+                              else sandbox._run_taped(keywords, tape))
+                except SessionEnded as exc:  # an earlier call ended it, not as recorded
+                    differences.append((f"the replayed session had ended: {exc}",))
+                    break
+                results.append(result)
+                recorded = journal._calls[index].outcome
+                assert recorded is not None
+                differences.append(compare(recorded, result, tape))
+        finally:
+            if session is not None:
+                session.close()
     report = ReplayReport(tuple(results), tuple(differences))
     if check and not report.ok:
         first = next(index for index, lines in enumerate(differences) if lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,6 +17,7 @@ from ._hostcall import check_functions
 from ._http import HttpPolicy
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
+from ._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S, Session
 from .backends.base import Backend, Job, Policy
 
 if TYPE_CHECKING:
@@ -116,6 +118,35 @@ class Sandbox:
                               max_concurrency=max_concurrency, max_queue=max_queue)
         self._closed = False
         self._lock = threading.Lock()
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+    def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                max_age_s: float = DEFAULT_MAX_AGE_S,
+                journal: Journal | str | os.PathLike[str] | None = None) -> Session:
+        """Open a ``Session``: one live interpreter whose globals, imports and open files
+        persist from one ``session.run(code)`` to the next.
+
+        Each call has its own limits (this Sandbox's, narrowed per call); the session's
+        guest lives under this Sandbox's ``memory_bytes`` for its whole life, and ends after
+        ``idle_timeout_s`` without a call or ``max_age_s`` after it opened, whichever comes
+        first. With ``backend="auto"`` it runs on wasm, unless ``requires`` names a module
+        only the microVM has. Close it (or use ``with``) to free its guest.
+
+        ``journal`` (a new ``wasibox.Journal``, or a file path rewritten after every call)
+        records the session's calls, so that ``wasibox.replay`` re-executes them in one new
+        session and checks each (see docs/journal.md). Only wasm sessions can be recorded:
+        a microVM's runs are not deterministic.
+
+        Raises UsageError for a timeout that is not a positive number of seconds, or if the
+        backend keeps no sessions, GuestBuildError if the guest cannot be started, and
+        SandboxClosed after ``close()``.
+        """
+        self._ensure_open()
+        session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
+                          max_age_s=max_age_s, journal=journal)
+        with self._lock:
+            self._sessions.add(session)
+        return session
 
     def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
             kwargs: Mapping[str, Any] | None = None,
@@ -212,6 +243,8 @@ class Sandbox:
             if self._closed:
                 return
             self._closed = True
+        for session in list(self._sessions):
+            session.close()
         self._runner.close()
         self._backend.close()
         if self._microvm is not None:
@@ -288,7 +321,9 @@ class Sandbox:
             return job
         return dataclasses.replace(job, tape=self._record(job, journal))
 
-    def _record(self, job: Job, journal: Journal | str | os.PathLike[str]) -> Tape:
+    def _record(self, job: Job, journal: Journal | str | os.PathLike[str],
+                kind: Literal["run", "session"] = "run",
+                backend: Backend | None = None) -> Tape:
         """Start recording ``job`` into ``journal``; raises UsageError as ``run`` says."""
         from ._journal import Journal, header_for, request_of
 
@@ -298,15 +333,16 @@ class Sandbox:
                 raise UsageError("journal must be a wasibox.Journal or a file path, not "
                                  f"{type(journal).__name__}")
             target, journal = journal, Journal()
-        digest = getattr(self._backend, "guest_digest", None)
+        backend = backend or self._backend
+        digest = getattr(backend, "guest_digest", None)
         if not isinstance(digest, str):
-            raise UsageError(f"the {self._backend.name} backend does not record journals: "
-                             "only the deterministic wasm backend can be replayed")
+            raise UsageError(f"the {backend.name} backend does not record journals: only "
+                             "the deterministic wasm backend can be replayed")
         try:
             request = request_of(job)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
-        tape = journal.begin(header_for("run", digest, self.policy, self.limits,
+        tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
                                         self.python_path), request)
         tape.save_to = target
         return tape
@@ -323,9 +359,14 @@ class Sandbox:
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
-        result = run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
-            control)
+        try:
+            result = run_with_files(job, lambda job: build_result(
+                backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
+                control)
+        except BaseException:
+            if job.tape is not None:
+                job.tape.abandon()  # the call never ran: nothing to replay
+            raise
         if job.tape is not None and not job.tape.replaying:
             job.tape.finish(result)
         return result
@@ -336,6 +377,13 @@ class Sandbox:
         if job.tape is not None and not job.tape.replaying:
             job.tape.finish(result)
         return result
+
+    def _session_backend(self) -> Backend:
+        """The backend a session runs on: chosen from ``requires`` alone, since its code
+        comes later, one call at a time."""
+        if not self._auto:
+            return self._backend
+        return self._choose(Job(op="run", code="", limits=self.limits, policy=self.policy))
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""

@@ -501,6 +501,9 @@ class WitWorld(wit_world.WitWorld):
         return _execute(request, _STREAMS)
 
 
+#: The state of a session (``"session": True`` requests): its namespace, once made.
+_SESSION = {}
+
 # The seed the snapshot's ``random`` module was seeded with at build time (see the end of this
 # file): a job with this seed skips re-seeding, which costs more than the rest of a small run.
 _SNAPSHOT_SEED = 0
@@ -517,8 +520,10 @@ def _execute(request, streams):
     stdout, stderr = streams
     sys.stdout, sys.stderr = stdout, stderr
     sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
+    session = job.get("session", False)
     seed = job.get("seed")
-    if seed != _SNAPSHOT_SEED:
+    # A session's random stream is seeded once, by its first call, and then runs on.
+    if seed != _SNAPSHOT_SEED and not (session and _SESSION):
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
     if "argv" in job:
         _program_context(job)
@@ -527,9 +532,15 @@ def _execute(request, streams):
     code = job["code"]
     filename = job.get("filename", _SOURCE_NAME)
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    if filename != _SOURCE_NAME:
-        namespace["__file__"] = filename
+    if session:
+        # A session's calls share one namespace, made by its first call; an ordinary run's
+        # instance never sees a session request, so nothing of this outlives its run.
+        namespace = _SESSION.setdefault("namespace",
+                                        {"__name__": "__main__", "__builtins__": builtins})
+    else:
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        if filename != _SOURCE_NAME:
+            namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
@@ -555,7 +566,9 @@ def _execute(request, streams):
         error = _describe(exc)
         exit_code = 1
     try:
-        wasibox_files.finish()  # flush what the program left open, before the host publishes
+        # Flush what the program left open, before the host publishes; a session's files
+        # stay open for its next call.
+        (wasibox_files.flush_open if session else wasibox_files.finish)()
     except BaseException as exc:
         if error is None and exit_code == 0:
             error = _describe(exc)
@@ -585,7 +598,8 @@ def _program_context(job):
     The host sends these fields only when a caller set one of them (see wasibox/_wire.py).
     """
     sys.argv[:] = job["argv"]
-    sys.path[:0] = job["path"]
+    # Each of a session's calls sends the path again: put each directory first only once.
+    sys.path[:0] = [entry for entry in job["path"] if entry not in sys.path]
     if job["env"]:
         os.environ.update(job["env"])
     stdin = job["stdin"]

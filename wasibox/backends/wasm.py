@@ -69,7 +69,7 @@ from ._native import NativeBuild
 from ._native import load as load_native
 from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from ._stack import call_with_stack
-from .base import Backend, Job, Policy
+from .base import Backend, BackendSession, Job, Policy
 
 __all__ = ["WasmBackend", "WasmRuntime", "doctor_rows", "runtime"]
 
@@ -137,7 +137,8 @@ class _Run:
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
-                 "fault", "exit_code", "started", "log", "host_calls", "cancelled")
+                 "fault", "exit_code", "started", "log", "host_calls", "cancelled",
+                 "clock_base_ns")
     #: Whether Python serves this run's entropy (seeded by ``rng``); the native path's is C's.
     python_entropy = True
 
@@ -157,6 +158,9 @@ class _Run:
         #: Set (with ``cancel``) by ``interrupt``, from any thread, when the caller cancels.
         self.cancelled = False
         self.slept_ns = 0
+        #: Virtual time that passed before this run: a session's earlier calls, so that its
+        #: clocks never go back from one call to the next.
+        self.clock_base_ns = 0
         self.started = False
         policy = job.policy
         self.rng = (random.Random(policy.seed)
@@ -197,13 +201,13 @@ class _Run:
         if self.job.policy.clock == "real":
             now: int = _taped(self, "clock.monotonic", (), time.monotonic_ns)
             return now
-        return self.virtual_ns(context)
+        return self.clock_base_ns + self.virtual_ns(context)
 
     def wall_ns(self, context: Any) -> int:
         if self.job.policy.clock == "real":
             now: int = _taped(self, "clock.wall", (), time.time_ns)
             return now
-        return VIRTUAL_EPOCH_S * 10**9 + self.virtual_ns(context)
+        return VIRTUAL_EPOCH_S * 10**9 + self.clock_base_ns + self.virtual_ns(context)
 
     def wait(self, context: Any, ns: int) -> None:
         """Block for ``ns`` of guest time, or trap with a timeout at the deadline."""
@@ -878,20 +882,10 @@ class WasmBackend(Backend):
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         rt = self._runtime
         control = control or RunControl()
-        if job.limits.memory_bytes < rt.min_memory_bytes:
-            raise UsageError(
-                f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
-                f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
+        self._check_memory(job.limits)
         started = time.perf_counter()
         control.enter(RunState.INSTANTIATING)
-        fields = job.request()
-        compiled = self._compiler.compile(job)
-        if compiled is not None:
-            fields["compiled"] = compiled
-        try:
-            request = encode_request(fields)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        request = self._request(job)
         # A journaled run granted the real clock or entropy takes the Python path, where
         # those values are served by Python and so can be taped (the native path's are C's).
         run_path = ("python" if job.tape is not None and not job.policy.deterministic
@@ -904,49 +898,136 @@ class WasmBackend(Backend):
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if run_path == "native" else None
         run = _Run(job, store) if native is None else _NativeRun(job, store, native)
-        store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
-        reply: str | None = None
-        exit_code: int | None = None
-        control.enter(RunState.RUNNING)
-        detach = control.on_cancel(run.interrupt)
-        with rt.ticker:
-            if native is None:  # the native path's C callback was set when it was made
-                ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
-                                                           None, _NO_FINALIZER)
-            store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
-            run.deadline = time.monotonic() + job.limits.timeout_s
-            try:
-                if run.cancelled:  # cancelled while instantiating: skip the guest entirely
-                    run.stop(Limit.CANCELLED)
-                reply = call_with_stack(lambda: _call_guest(run, execute, request),
-                                        MIN_HOST_STACK)
-            except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
-                exit_code = _classify(run, store, exc)
-            finally:
-                detach()
-        duration = time.perf_counter() - started
-        try:
-            fuel_used = job.limits.fuel - store.get_fuel()
-        except wasmtime.WasmtimeError:
-            fuel_used = job.limits.fuel
-        outcome = Outcome(
-            reply=reply,
-            stdout=bytes(run.stdout),
-            stderr=bytes(run.stderr),
-            stdout_truncated=run.stdout_truncated,
-            stderr_truncated=run.stderr_truncated,
-            limit_exceeded=run.limit,
-            fault=run.fault if run.limit is None else None,
-            exit_code=exit_code,
-            fuel_used=fuel_used,
-            memory_peak_bytes=rt.min_memory_bytes,
-            memory_limit_bytes=job.limits.memory_bytes,
-            duration_s=duration,
-            capability_log=tuple(run.log),
-        )
+        outcome = _call(rt, run, execute, request, control, started)
         rt.refill()  # last: making an instance would slow this run's remaining ctypes calls
         return outcome
+
+    def open_session(self, limits: Limits, policy: Policy,
+                     files: FileSession | None) -> BackendSession:
+        """One instance kept for a session's calls, on the Python run path (the native path
+        is built around fresh instances); raises UsageError for a memory cap below the
+        guest's minimum, GuestBuildError if the guest cannot be instantiated."""
+        self._check_memory(limits)
+        return _WasmSession(self, limits, policy)
+
+    def _check_memory(self, limits: Limits) -> None:
+        minimum = self._runtime.min_memory_bytes
+        if limits.memory_bytes < minimum:
+            raise UsageError(
+                f"memory_bytes={limits.memory_bytes} is below the guest's minimum of "
+                f"{minimum} bytes ({minimum / 2**20:.1f} MiB)")
+
+    def _request(self, job: Job) -> str:
+        """The job's encoded request, with its compiled program when it compiles."""
+        fields = job.request()
+        compiled = self._compiler.compile(job)
+        if compiled is not None:
+            fields["compiled"] = compiled
+        try:
+            return encode_request(fields)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+
+
+def _call(rt: WasmRuntime, run: _Run, execute: Any, request: str, control: RunControl,
+          started: float) -> Outcome:
+    """Make one call into an instance under ``run.job``'s limits, and measure it."""
+    job, store = run.job, run.store
+    store.set_fuel(job.limits.fuel)
+    reply: str | None = None
+    exit_code: int | None = None
+    control.enter(RunState.RUNNING)
+    detach = control.on_cancel(run.interrupt)
+    with rt.ticker:
+        if not isinstance(run, _NativeRun):  # the native path's C callback was set when made
+            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
+                                                       None, _NO_FINALIZER)
+        store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
+        run.deadline = time.monotonic() + job.limits.timeout_s
+        try:
+            if run.cancelled:  # cancelled while instantiating: skip the guest entirely
+                run.stop(Limit.CANCELLED)
+            reply = call_with_stack(lambda: _call_guest(run, execute, request),
+                                    MIN_HOST_STACK)
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            exit_code = _classify(run, store, exc)
+        finally:
+            detach()
+    duration = time.perf_counter() - started
+    try:
+        fuel_used = job.limits.fuel - store.get_fuel()
+    except wasmtime.WasmtimeError:
+        fuel_used = job.limits.fuel
+    return Outcome(
+        reply=reply,
+        stdout=bytes(run.stdout),
+        stderr=bytes(run.stderr),
+        stdout_truncated=run.stdout_truncated,
+        stderr_truncated=run.stderr_truncated,
+        limit_exceeded=run.limit,
+        fault=run.fault if run.limit is None else None,
+        exit_code=exit_code,
+        fuel_used=fuel_used,
+        memory_peak_bytes=rt.min_memory_bytes,
+        memory_limit_bytes=job.limits.memory_bytes,
+        duration_s=duration,
+        capability_log=tuple(run.log),
+    )
+
+
+class _WasmSession(BackendSession):
+    """One instance serving a session's calls, each under its own fuel and deadline.
+
+    The store's memory cap is the session's, for its whole life (linear memory never
+    shrinks). The virtual clock and the seeded entropy stream run on from one call to the
+    next, as they would in one long program. Any call that does not return normally (a trap,
+    an exit, a limit enforced by trapping, a cancel) leaves the instance unusable: wasmtime
+    refuses to re-enter it, so the session is over.
+    """
+
+    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy) -> None:
+        self._backend = backend
+        self._runtime = backend._runtime
+        self._store: wasmtime.Store | None
+        try:
+            self._store, self._execute = self._runtime.instantiate("python")
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
+        self._store.set_limits(memory_size=limits.memory_bytes)
+        self._memory_bytes = limits.memory_bytes
+        self._rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+        self._clock_ns = 0
+        self._alive = True
+        self._memory_peak = self._runtime.min_memory_bytes
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def run(self, job: Job, control: RunControl | None = None) -> Outcome:
+        control = control or RunControl()
+        started = time.perf_counter()
+        store = self._store
+        if store is None:
+            raise UsageError("this session's guest is gone; open a new session")
+        if control.cancelled:
+            return Outcome(limit_exceeded=Limit.CANCELLED)
+        request = self._backend._request(job)
+        run = _Run(job, store)
+        run.rng = self._rng
+        run.clock_base_ns = self._clock_ns
+        outcome = _call(self._runtime, run, self._execute, request, control, started)
+        self._clock_ns += outcome.fuel_used + run.slept_ns
+        if outcome.reply is None:
+            self.close()  # trapped or exited: wasmtime will not enter this instance again
+        outcome.memory_limit_bytes = self._memory_bytes
+        return outcome
+
+    def close(self) -> None:
+        self._alive = False
+        # Dropping the references frees the instance (and its memory slot) with its store.
+        self._store = self._execute = None
 
 
 class _Compiler:
