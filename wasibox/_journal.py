@@ -51,7 +51,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -296,6 +296,10 @@ class Tape:
         self.diverged: str | None = None
         #: Where ``finish`` writes the journal (``Sandbox.run(journal=path)``).
         self.save_to: str | os.PathLike[str] | None = None
+        #: Replaying to restore a session: file operations are performed again on the
+        #: session's mounts (so its open files, their positions and its unpublished writes
+        #: are as they were), while the guest is still handed the recorded answers.
+        self.redo_files = False
 
     def record(self, kind: str, args: Sequence[Any], status: str, value: Any) -> None:
         """Keep one exchange: the guest called ``kind`` with ``args`` and got ``value``
@@ -322,6 +326,16 @@ class Tape:
                           f"({exchange_key(args)}) on replay")
         self._cursor += 1
         return status, (Limit(value) if status == "stop" else value)
+
+    def check_redone(self, kind: str, recorded: Any, redone: Any) -> None:
+        """A file operation performed again must succeed or fail as it did (the same
+        descriptor, for one that opens); raises JournalError if the mounts changed so that
+        it does not."""
+        same = (recorded == redone if kind in ("files.open", "files.dup")
+                else recorded[0] == redone[0])
+        if not same:
+            self._diverge(f"the mounted files changed since the snapshot: {kind} answered "
+                          f"{_clip(recorded)} then, {_clip(redone)} now")
 
     def _diverge(self, message: str) -> None:
         self.diverged = self.diverged or message
@@ -559,6 +573,19 @@ class ReplayReport:
                          enumerate(self.differences) for line in lines)
 
 
+def load_snapshot(snapshot: Journal | bytes | str | os.PathLike[str]) -> Journal:
+    """A session snapshot (``Session.snapshot()``'s bytes, its file, or a Journal) checked
+    to be restorable here; raises as ``load_for_replay`` does, and JournalError for a
+    journal of runs rather than of a session."""
+    if isinstance(snapshot, bytes | bytearray):
+        snapshot = Journal.loads(bytes(snapshot))
+    journal = load_for_replay(snapshot, DEFAULT_JOURNAL_BYTES)
+    if journal.kind != "session":
+        raise JournalError("this journal records runs, not a session: only a session's "
+                           "snapshot can be restored (replay it with wasibox.replay)")
+    return journal
+
+
 def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -> Journal:
     """The journal, read if it is a path, and checked to be replayable here.
 
@@ -584,6 +611,46 @@ def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -
     if journal.header["guest_digest"] != current:
         raise GuestDigestMismatch(journal.header["guest_digest"], current)
     return journal
+
+
+def replay_into(journal: Journal, run_call: Callable[[dict[str, Any], Tape], RunResult],
+                *, redo_files: bool = False,
+                ) -> tuple[list[RunResult], list[tuple[str, ...]]]:
+    """Replay each recorded call through ``run_call`` and compare it with its record.
+
+    Returns the results and each call's differences; stops after a call that found the
+    session ended (an earlier call ended it, which the recording did not). With
+    ``redo_files``, file operations are performed again (see ``Tape.redo_files``).
+    """
+    results: list[RunResult] = []
+    differences: list[tuple[str, ...]] = []
+    for index in range(journal.calls):
+        tape = replay_tape(journal, index)
+        tape.redo_files = redo_files
+        try:
+            result = run_call(replay_request(journal, index), tape)
+        except SessionEnded as exc:
+            differences.append((f"the replayed session had ended: {exc}",))
+            break
+        results.append(result)
+        recorded = journal._calls[index].outcome
+        assert recorded is not None
+        differences.append(compare(recorded, result, tape))
+    return results, differences
+
+
+def adopt(journal: Journal, into: Journal | None) -> Journal:
+    """``into`` (or a new Journal) holding ``journal``'s header and calls, to record more
+    calls after them (a restored session's); raises UsageError if ``into`` holds any."""
+    target = into if into is not None else Journal(max_bytes=journal.max_bytes)
+    with target._lock:
+        if target.header is not None:
+            raise UsageError("a restored session records into a journal of its own: pass "
+                             "a new wasibox.Journal (or a file path)")
+        target.header = journal.header
+        target._calls = list(journal._calls)
+        target._size = len(journal.dumps())
+    return target
 
 
 def replay_tape(journal: Journal, index: int) -> Tape:
@@ -662,31 +729,16 @@ def replay(journal: Journal | str | os.PathLike[str], *, check: bool = True,
     journal = load_for_replay(journal, max_bytes)
     header = journal.header
     assert header is not None
-    results: list[RunResult] = []
-    differences: list[tuple[str, ...]] = []
     with Sandbox(Limits(**header["limits"]), seed=header["seed"], clock=header["clock"],
                  entropy=header["entropy"], backend="wasm",
                  python_path=header["python_path"]) as sandbox:
         # A session's calls replay in one new session, a run journal's each in a fresh
         # interpreter, as they were recorded.
-        session = sandbox.session() if header["kind"] == "session" else None
-        try:
-            for index in range(journal.calls):
-                tape = replay_tape(journal, index)
-                keywords = replay_request(journal, index)
-                try:
-                    result = (session._run_taped(keywords, tape) if session is not None
-                              else sandbox._run_taped(keywords, tape))
-                except SessionEnded as exc:  # an earlier call ended it, not as recorded
-                    differences.append((f"the replayed session had ended: {exc}",))
-                    break
-                results.append(result)
-                recorded = journal._calls[index].outcome
-                assert recorded is not None
-                differences.append(compare(recorded, result, tape))
-        finally:
-            if session is not None:
-                session.close()
+        if header["kind"] == "session":
+            with sandbox.session() as session:
+                results, differences = replay_into(journal, session._run_taped)
+        else:
+            results, differences = replay_into(journal, sandbox._run_taped)
     report = ReplayReport(tuple(results), tuple(differences))
     if check and not report.ok:
         first = next(index for index, lines in enumerate(differences) if lines)

@@ -122,7 +122,8 @@ class Sandbox:
 
     def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                 max_age_s: float = DEFAULT_MAX_AGE_S,
-                journal: Journal | str | os.PathLike[str] | None = None) -> Session:
+                journal: Journal | str | os.PathLike[str] | None = None,
+                restore: bytes | str | os.PathLike[str] | Journal | None = None) -> Session:
         """Open a ``Session``: one live interpreter whose globals, imports and open files
         persist from one ``session.run(code)`` to the next.
 
@@ -137,13 +138,21 @@ class Sandbox:
         session and checks each (see docs/journal.md). Only wasm sessions can be recorded:
         a microVM's runs are not deterministic.
 
+        ``restore`` (what ``Session.snapshot()`` returned, or its file) opens the session in
+        the state the snapshot was taken in, by re-executing its calls and checking each; a
+        restored session records its calls after those, so it can be snapshotted again. The
+        Sandbox must be set up as the one that took the snapshot (seed, clock, entropy,
+        limits, grants by name). Raises GuestDigestMismatch if another guest took it,
+        JournalError if it cannot be read, ReplayMismatch if a call did not reproduce, and
+        UsageError if this Sandbox is set up differently.
+
         Raises UsageError for a timeout that is not a positive number of seconds, or if the
         backend keeps no sessions, GuestBuildError if the guest cannot be started, and
         SandboxClosed after ``close()``.
         """
         self._ensure_open()
         session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
-                          max_age_s=max_age_s, journal=journal)
+                          max_age_s=max_age_s, journal=journal, restore=restore)
         with self._lock:
             self._sessions.add(session)
         return session

@@ -76,7 +76,8 @@ class Session:
 
     def __init__(self, sandbox: Sandbox, backend: Backend, *, idle_timeout_s: float,
                  max_age_s: float,
-                 journal: Journal | str | os.PathLike[str] | None = None) -> None:
+                 journal: Journal | str | os.PathLike[str] | None = None,
+                 restore: bytes | str | os.PathLike[str] | Journal | None = None) -> None:
         """Opened by ``Sandbox.session()``, which documents what it raises."""
         for name, value in (("idle_timeout_s", idle_timeout_s), ("max_age_s", max_age_s)):
             if (isinstance(value, bool) or not isinstance(value, int | float)
@@ -108,6 +109,12 @@ class Session:
         self.opened_at = time.monotonic()
         self._last_used = self.opened_at
         _expiry.watch(self)
+        if restore is not None:
+            try:
+                self._restore(restore)
+            except BaseException:
+                self.close()
+                raise
 
     # -- the public API ---------------------------------------------------------------------
 
@@ -164,6 +171,54 @@ class Session:
         ``Sandbox.start``). Raises what ``run`` raises, except what the guest does."""
         return self._sandbox._runner.start(self._job(code, limits, stdin, argv, env),
                                            self._execute)
+
+    def snapshot(self) -> bytes:
+        """The session's state as of its last call, to restore with
+        ``Sandbox.session(restore=...)``, in this process or another with the same guest.
+
+        Wasmtime cannot capture a component instance's state (its linear memory, globals,
+        tables and WASI resources are not reachable through the component API), so a
+        snapshot is the session's journal, and restoring it re-executes the calls exactly;
+        docs/journal.md says what that costs. It holds what the journal holds (the calls'
+        code and input, every value the host handed the guest) and no host paths.
+
+        Raises UsageError if the session was not opened with ``journal=`` (or restored),
+        or its journal was truncated; SessionEnded if the session has ended.
+        """
+        with self._lock:
+            self._raise_if_ended()
+            if self._journal is None:
+                raise UsageError("this session records no journal, so it cannot be "
+                                 "snapshotted: open it with Sandbox.session("
+                                 "journal=wasibox.Journal())")
+            if self._journal.truncated:
+                raise UsageError(f"this session's journal passed its bound of "
+                                 f"{self._journal.max_bytes} bytes, so it cannot be "
+                                 "snapshotted; open it with a larger Journal(max_bytes=...)")
+            return self._journal.dumps()
+
+    def _restore(self, snapshot: bytes | str | os.PathLike[str] | Journal) -> None:
+        """Bring this new session to ``snapshot``'s state by re-executing its calls."""
+        from ._errors import ReplayMismatch
+        from ._journal import adopt, header_for, load_snapshot, replay_into
+
+        journal = load_snapshot(snapshot)
+        header = header_for("session", getattr(self._backend, "guest_digest", ""),
+                            self._sandbox.policy, self._sandbox.limits,
+                            self._sandbox.python_path)
+        assert journal.header is not None
+        differing = sorted(key for key in header.keys() | journal.header.keys()
+                           if header.get(key) != journal.header.get(key))
+        if differing:
+            raise UsageError(f"this Sandbox is not set up as the one that took the snapshot "
+                             f"(it differs in {', '.join(differing)}); restore it in a "
+                             "Sandbox with the same settings")
+        recording, self._journal = self._journal, None  # the restored calls are recorded
+        _, differences = replay_into(journal, self._run_taped, redo_files=True)
+        for index, lines in enumerate(differences):
+            if lines:
+                raise ReplayMismatch(index, "\n".join(lines))
+        self._journal = adopt(journal, recording)
 
     def close(self) -> None:
         """End the session and free its guest; idempotent.

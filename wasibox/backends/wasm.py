@@ -356,7 +356,8 @@ def _taped(run: _Run, kind: str, args: tuple[Any, ...], produce: Callable[[], An
     """``produce()``: a value handed to the guest, through the run's journal tape if any.
 
     Recording, the value (or the limit that ``produce`` stopped the run with) is taped; on a
-    replay the taped answer is served and ``produce`` never runs, so the host is not asked.
+    replay the taped answer is served and ``produce`` never runs, so the host is not asked,
+    except that a restored session performs its file operations again (``redo_files``).
     A replay whose guest asks for something else than the journal holds traps, with a
     ``ReplayDiverged`` fault saying where.
     """
@@ -366,6 +367,8 @@ def _taped(run: _Run, kind: str, args: tuple[Any, ...], produce: Callable[[], An
     if tape.replaying:
         try:
             status, value = tape.serve(kind, args)
+            if tape.redo_files and kind.startswith("files.") and status == "ok":
+                tape.check_redone(kind, value, produce())
         except JournalError as exc:
             run.fault = run.fault or GuestException(type="ReplayDiverged", message=str(exc),
                                                     traceback="")
