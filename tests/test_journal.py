@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 
 import wasibox
 from tests.conftest import PYTHON, child_env
-from wasibox._errors import GuestDigestMismatch, JournalError, ReplayMismatch
-from wasibox._journal import Journal, replay
+from wasibox import GuestDigestMismatch, Journal, JournalError, ReplayMismatch, replay
 from wasibox.backends.fake import FakeBackend
 
 pytestmark = pytest.mark.guest

@@ -16,6 +16,9 @@ EXPECTED = {
     "Session", "SessionEnd", "SessionEnded", "Transform", "TransformProgress",
     "TransformSpec", "UsageError", "WasiboxError",
     "guest_digest", "run",
+    # Journals and replay (docs/journal.md).
+    "GuestDigestMismatch", "Journal", "JournalError", "ReplayMismatch", "ReplayReport",
+    "replay",
 }
 
 
@@ -29,11 +32,13 @@ def test_exported_names() -> None:
 
 def test_error_tree_has_one_root() -> None:
     for name in ("Busy", "ConfigError", "GuestBuildError", "GuestError", "LimitExceeded",
-                 "SandboxClosed", "UsageError"):
+                 "SandboxClosed", "UsageError", "JournalError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
     assert issubclass(wasibox.ConfigError, wasibox.UsageError)
     assert issubclass(wasibox.EmulationRefused, wasibox.UsageError)
+    assert issubclass(wasibox.GuestDigestMismatch, wasibox.JournalError)
+    assert issubclass(wasibox.ReplayMismatch, wasibox.JournalError)
 
 
 def test_no_wasmtime_type_in_public_signatures() -> None:

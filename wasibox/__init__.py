@@ -12,8 +12,11 @@ from ._errors import (
     ConfigError,
     EmulationRefused,
     GuestBuildError,
+    GuestDigestMismatch,
     GuestError,
+    JournalError,
     LimitExceeded,
+    ReplayMismatch,
     SandboxClosed,
     SessionEnded,
     UsageError,
@@ -23,6 +26,7 @@ from ._events import CapabilityEvent
 from ._files import FileRecord, Mount, RefusedFile
 from ._guest import guest_digest
 from ._http import HttpPolicy
+from ._journal import Journal, ReplayReport, replay
 from ._limits import Limit, Limits
 from ._result import GuestException, RunResult
 from ._sandbox import Sandbox, run
@@ -38,14 +42,19 @@ __all__ = [
     "Failed",
     "FileRecord",
     "GuestBuildError",
+    "GuestDigestMismatch",
     "GuestError",
     "GuestException",
     "HttpPolicy",
+    "Journal",
+    "JournalError",
     "Limit",
     "LimitExceeded",
     "Limits",
     "Mount",
     "RefusedFile",
+    "ReplayMismatch",
+    "ReplayReport",
     "RunHandle",
     "RunResult",
     "RunState",
@@ -60,6 +69,7 @@ __all__ = [
     "UsageError",
     "WasiboxError",
     "guest_digest",
+    "replay",
     "run",
 ]
 
