@@ -7,6 +7,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -380,3 +381,14 @@ def test_fuel_does_not_depend_on_whether_the_callers_strings_are_interned() -> N
         fuels = {sb.run(code, entry=name, args=(name,), argv=[name], env={name: name},
                         filename=f"/{name}").fuel_used for name in (literal, built)}
     assert len(fuels) == 1
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "journal.md"
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_the_docs_examples_run(index: int, capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    assert len(blocks) == 2
+    exec(compile(blocks[index], f"docs/journal.md example {index + 1}", "exec"), {})
+    assert capsys.readouterr().out == ["10.0\n\n", "1\n\n"][index]
