@@ -392,3 +392,51 @@ def test_the_docs_examples_run(index: int, capsys: pytest.CaptureFixture[str]) -
     assert len(blocks) == 2
     exec(compile(blocks[index], f"docs/journal.md example {index + 1}", "exec"), {})
     assert capsys.readouterr().out == ["10.0\n\n", "1\n\n"][index]
+
+
+@pytest.mark.parametrize("bad", [{"not": "a value"}, ["ok", 2**70], ["ok", "text"], None,
+                                 ["maybe", 1], ["err", "no-such-code"]])
+def test_an_answer_of_the_wrong_shape_is_refused_before_it_reaches_the_engine(
+        tmp_path: Path, bad: Any) -> None:
+    """A value wasmtime could not hand the guest is refused by the replay itself, so no
+    engine error escapes (wasmtime-py would park it in a process-global)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("a")
+    journal = Journal()
+    with wasibox.Sandbox(mounts=[wasibox.Mount(data, "/data")]) as sb:
+        sb.run("print(open('/data/a.txt').read())", journal=journal)
+    lines = journal.dumps().decode().splitlines()
+    opened = next(index for index, line in enumerate(lines) if '"files.open"' in line)
+    event = json.loads(lines[opened])
+    event["io"][3] = bad
+    lines[opened] = json.dumps(event)
+    report = replay(Journal.loads("\n".join(lines).encode()), check=False)
+    (result,) = report.results
+    assert result.error is not None and result.error.type == "ReplayDiverged"
+    assert "wrong shape" in result.error.message
+    assert wasibox.run("print(1)").stdout == "1\n"  # nothing was left for the next run
+
+
+def test_wasibox_run_records_a_journal_that_wasibox_replay_checks(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("line one\n")
+    path = tmp_path / "cli.jsonl"
+    done = subprocess.run(
+        [PYTHON, "-m", "wasibox", "run", "--journal", str(path), "--real-entropy",
+         "--mount", f"{tmp_path}:/in", "--env", "MODE=check", "-c",
+         "import os; print(open('/in/in.txt').read().strip(), os.environ['MODE'], "
+         "len(os.urandom(3)))"],
+        capture_output=True, text=True, env=child_env(), timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout == "line one check 3\n", done.stderr
+    assert str(tmp_path) not in path.read_text()
+    replayed = replay_cli("--show-output", str(path))
+    assert replayed.returncode == 0, replayed.stderr
+    assert replayed.stdout == done.stdout and "call 0: matches" in replayed.stderr
+
+    cut = tmp_path / "cut.jsonl"
+    done = subprocess.run(
+        [PYTHON, "-m", "wasibox", "run", "--journal", str(cut), "--journal-bytes", "600",
+         "-c", "print('x' * 1000)"],
+        capture_output=True, text=True, env=child_env(), timeout=300, check=False)
+    assert done.returncode == 0 and "truncated: it cannot be replayed" in done.stderr
+    assert replay_cli(str(cut)).returncode == 2

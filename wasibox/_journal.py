@@ -327,6 +327,11 @@ class Tape:
         self._cursor += 1
         return status, (Limit(value) if status == "stop" else value)
 
+    def refuse(self, kind: str, value: Any) -> None:
+        """Raise JournalError: the journal's answer to ``kind`` is not one it can have."""
+        self._diverge(f"boundary call {self._cursor} ({kind}) has an answer of the wrong "
+                      f"shape in the journal: {_clip(value)}")
+
     def check_redone(self, kind: str, recorded: Any, redone: Any) -> None:
         """A file operation performed again must succeed or fail as it did (the same
         descriptor, for one that opens); raises JournalError if the mounts changed so that
@@ -472,9 +477,16 @@ def _text_list(value: Any, name: str, where: str) -> list[str]:
     return value
 
 
+#: The largest limit a journal may ask for: what the engine takes (a u64, with room).
+_MAX_LIMIT = 2**62
+
+
 def _check_limits(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict) or set(value) != set(LIMIT_FIELDS):
         raise JournalError(f"{where}: 'limits' must name exactly {', '.join(LIMIT_FIELDS)}")
+    if not all(isinstance(number, int | float) and number <= _MAX_LIMIT
+               for number in value.values()):
+        raise JournalError(f"{where}: every limit must be a number up to {_MAX_LIMIT}")
     try:
         Limits(**value)
     except (UsageError, TypeError) as exc:

@@ -367,6 +367,10 @@ def _taped(run: _Run, kind: str, args: tuple[Any, ...], produce: Callable[[], An
     if tape.replaying:
         try:
             status, value = tape.serve(kind, args)
+            if status == "ok" and not _servable(kind, value):
+                # Checked here: a value wasmtime-py cannot lower would fail inside its
+                # trampoline, whose error is parked in a process-global (see _host).
+                tape.refuse(kind, value)
             if tape.redo_files and kind.startswith("files.") and status == "ok":
                 tape.check_redone(kind, value, produce())
         except JournalError as exc:
@@ -384,6 +388,43 @@ def _taped(run: _Run, kind: str, args: tuple[Any, ...], produce: Callable[[], An
         raise
     tape.record(kind, args, "ok", value)
     return value
+
+
+#: The WIT error-code names of the files interface (capabilities/files/files.wit).
+_FILE_ERRORS = frozenset({
+    "noent", "exist", "notdir", "isdir", "notempty", "loop", "acces", "perm", "rofs", "xdev",
+    "inval", "badf", "mfile", "nospc", "dquot", "nametoolong", "io", "nxio", "fbig"})
+#: What each files operation answers when it succeeds: a descriptor or a count (int), text
+#: (str), or nothing.
+_FILE_RESULTS: dict[str, type] = {
+    "open": int, "dup": int, "write": int, "pwrite": int, "seek": int,
+    "read": str, "pread": str, "fstat": str, "stat": str, "readdir": str, "readlink": str}
+
+
+def _servable(kind: str, value: Any) -> bool:
+    """Whether a journal's ``value`` is what the boundary call ``kind`` hands the guest."""
+    def word(number: Any) -> bool:
+        return type(number) is int and 0 <= number <= _U64_MAX
+
+    if kind in ("clock.monotonic", "clock.wall", "entropy.u64"):
+        return word(value)
+    if kind == "clock.wait":
+        return value is None
+    if kind == "entropy.bytes":
+        return type(value) is str and all(ord(char) <= 0xFF for char in value)
+    if not (type(value) is list and len(value) == 2 and value[0] in ("ok", "err")):
+        return False
+    tag, payload = value
+    if kind == "host.call":
+        return type(payload) is str
+    method = kind.removeprefix("files.")
+    if tag == "err":
+        return payload in _FILE_ERRORS
+    wanted = _FILE_RESULTS.get(method)
+    if wanted is int:
+        return word(payload) and (method not in ("open", "dup", "write", "pwrite")
+                                  or payload <= 0xFFFFFFFF)
+    return payload is None if wanted is None else type(payload) is wanted
 
 
 _U64_MAX = 2**64 - 1
