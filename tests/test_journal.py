@@ -3,6 +3,7 @@ outputs and fuel; a tampered, truncated, foreign or hostile journal is a typed e
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import http.server
 import json
@@ -290,6 +291,9 @@ def test_journal_misuse_is_a_usage_error(tmp_path: Path) -> None:
     with wasibox.Sandbox(backend=fake) as sb, pytest.raises(wasibox.UsageError,
                                                             match="does not record"):
         sb.run("pass", journal=Journal())
+    with wasibox.Sandbox(backend=fake) as sb, pytest.raises(wasibox.UsageError,
+                                                            match="does not record"):
+        sb.session(journal=Journal())
     with wasibox.Sandbox() as sb, pytest.raises(wasibox.UsageError, match="journal must"):
         sb.run("pass", journal=42)  # type: ignore[arg-type]
     with pytest.raises(wasibox.UsageError, match="max_bytes"):
@@ -440,3 +444,16 @@ def test_wasibox_run_records_a_journal_that_wasibox_replay_checks(tmp_path: Path
         capture_output=True, text=True, env=child_env(), timeout=300, check=False)
     assert done.returncode == 0 and "truncated: it cannot be replayed" in done.stderr
     assert replay_cli(str(cut)).returncode == 2
+
+
+def test_async_and_started_runs_record_too(tmp_path: Path) -> None:
+    async def main() -> wasibox.RunResult:
+        with wasibox.Sandbox(max_concurrency=2) as sb:
+            handle = sb.start("print('started')", journal=tmp_path / "started.jsonl")
+            awaited = await sb.arun("print('awaited')", journal=tmp_path / "awaited.jsonl")
+            assert handle.result().stdout == "started\n"
+            return awaited
+
+    awaited = asyncio.run(main())
+    assert replay(tmp_path / "awaited.jsonl").results[0].stdout == awaited.stdout
+    assert replay(tmp_path / "started.jsonl").results[0].stdout == "started\n"

@@ -370,6 +370,16 @@ class Tape:
 
 # -- what a journal holds ----------------------------------------------------------------------
 
+def journal_digest(backend: object) -> str:
+    """The guest digest a journal of ``backend``'s runs records; raises UsageError for a
+    backend whose runs cannot be replayed (the microVM's are not deterministic)."""
+    digest = getattr(backend, "guest_digest", None)
+    if not isinstance(digest, str):
+        raise UsageError(f"the {getattr(backend, 'name', 'given')} backend does not record "
+                         "journals: only the deterministic wasm backend can be replayed")
+    return digest
+
+
 def header_for(kind: Literal["run", "session"], guest_digest: str, policy: Policy,
                limits: Limits, python_path: Sequence[str]) -> dict[str, Any]:
     """The header of a journal of ``policy``'s runs: no host paths, no host function code."""

@@ -334,7 +334,7 @@ class Sandbox:
                 kind: Literal["run", "session"] = "run",
                 backend: Backend | None = None) -> Tape:
         """Start recording ``job`` into ``journal``; raises UsageError as ``run`` says."""
-        from ._journal import Journal, header_for, request_of
+        from ._journal import Journal, header_for, journal_digest, request_of
 
         target = None
         if not isinstance(journal, Journal):
@@ -342,11 +342,7 @@ class Sandbox:
                 raise UsageError("journal must be a wasibox.Journal or a file path, not "
                                  f"{type(journal).__name__}")
             target, journal = journal, Journal()
-        backend = backend or self._backend
-        digest = getattr(backend, "guest_digest", None)
-        if not isinstance(digest, str):
-            raise UsageError(f"the {backend.name} backend does not record journals: only "
-                             "the deterministic wasm backend can be replayed")
+        digest = journal_digest(backend or self._backend)
         try:
             request = request_of(job)
         except (TypeError, ValueError, OverflowError) as exc:

@@ -86,6 +86,10 @@ class Session:
         #: Where the session's calls are recorded (see ``Sandbox.session``), and the file
         #: the journal is written to after each call.
         self._journal, self._journal_path = _session_journal(journal)
+        if journal is not None or restore is not None:
+            from ._journal import journal_digest
+
+            journal_digest(backend)  # refused before a guest is started for it
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_age_s = float(max_age_s)
         self._sandbox = sandbox
@@ -200,10 +204,10 @@ class Session:
     def _restore(self, snapshot: bytes | str | os.PathLike[str] | Journal) -> None:
         """Bring this new session to ``snapshot``'s state by re-executing its calls."""
         from ._errors import ReplayMismatch
-        from ._journal import adopt, header_for, load_snapshot, replay_into
+        from ._journal import adopt, header_for, journal_digest, load_snapshot, replay_into
 
         journal = load_snapshot(snapshot)
-        header = header_for("session", getattr(self._backend, "guest_digest", ""),
+        header = header_for("session", journal_digest(self._backend),
                             self._sandbox.policy, self._sandbox.limits,
                             self._sandbox.python_path)
         assert journal.header is not None
