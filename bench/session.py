@@ -77,6 +77,12 @@ def per_call(calls: int) -> None:
 def restore_vs_replay(sizes: list[int], repeats: int) -> None:
     print(f"\n2. snapshot restore vs journal replay (median of {repeats})")
     rt = runtime()
+    # What an instance of the guest component gives the host: its exports' kinds. A memory,
+    # global or table of the core instances inside is not among them (nor reachable through
+    # the C API), so there is no memory image to capture.
+    exports = rt.component.type.exports(rt.engine)
+    print("   the component's exports: " + ", ".join(
+        f"{name} ({type(item.ty).__name__})" for name, item in exports.items()))
     instantiate = statistics.median(_timed(lambda: rt.instantiate("python"))
                                     for _ in range(max(repeats, 5)))
     print(f"   one fresh primed instance (the floor of a memory-image restore): "

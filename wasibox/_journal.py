@@ -122,9 +122,10 @@ class Journal:
     offline and checks that every output and the fuel match. Several runs of one Sandbox
     may share a journal; each is replayed in a fresh interpreter, as it ran. ``max_bytes``
     bounds the journal as written: past it, recording stops, the run goes on unchanged, and
-    the journal is marked truncated (and cannot be replayed).
+    the journal is marked truncated (and cannot be replayed). ``Journal.load(path)`` reads
+    one back; ``dumps()`` gives the file's bytes (the format is in docs/journal.md).
 
-    Raises UsageError for a ``max_bytes`` that is not a positive int.
+    Raises UsageError for a ``max_bytes`` that is not an int above 128.
     """
 
     def __init__(self, *, max_bytes: int = DEFAULT_JOURNAL_BYTES) -> None:
@@ -212,7 +213,8 @@ class Journal:
         """
         data = self.dumps()
         target = Path(path)
-        staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        # Runs on worker threads may save one journal at once: one staging file each.
+        staged = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         staged.write_bytes(data)
         os.replace(staged, target)
 
@@ -347,13 +349,20 @@ class Tape:
         raise JournalError(message)
 
     def finish(self, result: RunResult) -> None:
-        """Record what the call produced, and write the journal if it goes to a file."""
+        """Record what the call produced, and write the journal if it goes to a file.
+
+        Raises UsageError if that file cannot be written.
+        """
         outcome = outcome_of(result)
         with self._journal._lock:
             if self._journal._add({"outcome": outcome}):
                 self._call.outcome = outcome
         if self.save_to is not None:
-            self._journal.save(self.save_to)
+            try:
+                self._journal.save(self.save_to)
+            except OSError as exc:
+                raise UsageError(f"the journal cannot be written to {self.save_to}: "
+                                 f"{exc.strerror}") from None
 
     def abandon(self) -> None:
         """Forget the call: it raised before the guest ran it, so there is nothing to replay."""

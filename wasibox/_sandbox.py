@@ -191,7 +191,8 @@ class Sandbox:
         that would not narrow the sandbox's, if ``stdin`` is larger than
         ``limits.source_bytes`` times 16 (``STDIN_LIMIT_FACTOR``), or if ``argv``, ``env`` or
         ``filename`` are not str (without NUL; env names without ``=``), or if ``journal``
-        cannot record on this backend or records another sandbox's runs, Busy if
+        cannot record on this backend, records another sandbox's runs or is a path that
+        cannot be written, Busy if
         ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
         after ``close()``.
         """
