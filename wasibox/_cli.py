@@ -127,10 +127,10 @@ def _parser() -> argparse.ArgumentParser:
 
     replay = commands.add_parser(
         "replay", help="re-execute a recorded journal offline and check its outputs",
-        description="Re-execute the runs of a journal ('wasibox run --journal FILE', "
-                    "Sandbox.run(journal=...)) with no network, no mounts and no host "
-                    "functions: every value the host once handed the guest is served from "
-                    "the journal. Checks that stdout, stderr, the value or error, the exit "
+        description="Re-execute the runs of a journal ('wasibox run --journal FILE',\n"
+                    "Sandbox.run(journal=...)) with no network, no mounts and no host\n"
+                    "functions: every value the host once handed the guest is served from\n"
+                    "the journal. Checks that stdout, stderr, the value or error, the exit\n"
                     "status and the fuel are identical, call by call.",
         epilog="exit status:\n  0 if every call matched, 1 if one differed (the difference "
                "is on stderr),\n  2 if the journal cannot be replayed here (malformed, "

@@ -101,8 +101,14 @@ def _line_bytes(record: Mapping[str, Any]) -> int:
 def exchange_key(args: Sequence[Any]) -> str:
     """A short digest of a boundary call's arguments, to detect a replay that diverged
     without keeping what the guest sent (a write's data need not be in the journal)."""
-    text = repr(tuple(args)).encode("utf-8", errors="surrogatepass")
-    return hashlib.blake2b(text, digest_size=8).hexdigest()
+    digest = hashlib.blake2b(digest_size=8)
+    for arg in args:
+        # A str (a payload of up to host_call_bytes) is hashed as it is, not through repr.
+        data = (arg.encode("utf-8", errors="surrogatepass") if isinstance(arg, str)
+                else repr(arg).encode("ascii", errors="backslashreplace"))
+        digest.update(f"{type(arg).__name__}:{len(data)}:".encode())
+        digest.update(data)
+    return digest.hexdigest()
 
 
 @dataclasses.dataclass
