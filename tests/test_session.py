@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import pickle
 import threading
 import time
@@ -271,3 +272,35 @@ def test_a_session_does_not_block_other_threads_runs() -> None:
         threading.Thread(target=other).start()
         assert done.wait(10)
         assert handle.result(timeout=10).ok
+
+
+def test_mediated_http_is_granted_to_every_call() -> None:
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = f"hello {self.path}".encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        policy = wasibox.HttpPolicy(allow=[endpoint], allow_loopback_endpoints=[endpoint])
+        with wasibox.Sandbox(http=policy) as sb, sb.session() as session:
+            assert session.run(f"import urllib.request\nbase = 'http://{endpoint}'").ok
+            first = session.run("print(urllib.request.urlopen(base + '/a').read())")
+            assert first.stdout == "b'hello /a'\n"
+            second = session.run("print(urllib.request.urlopen(base + '/b').read())")
+            assert second.stdout == "b'hello /b'\n"
+            # Each call's capability log holds that call's own decisions.
+            assert [event.target.endswith("/b") for event in second.capability_log] == [True]
+            denied = session.run("urllib.request.urlopen('http://169.254.169.254/')")
+            assert denied.error is not None and denied.error.type == "CapabilityDenied"
+    finally:
+        server.shutdown()
+        server.server_close()

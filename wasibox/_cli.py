@@ -178,15 +178,17 @@ def _parser() -> argparse.ArgumentParser:
 
     mcp = commands.add_parser(
         "mcp", help="serve run_python and workspace file tools to AI agents over MCP",
-        description="Serve the Model Context Protocol tools run_python, write_file, read_file\n"
-                    "and list_files. With no options the policy is safe as it stands: default\n"
-                    "limits, no network, no host functions, no mounts. --config adds the\n"
-                    "policy of one tenant of a 'wasibox serve' config file (limits, mounts,\n"
-                    "HTTP allowlist, host functions, backend; no token needed); tool arguments\n"
-                    "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
-                    "deleted when the session ends or sits idle; every run_python is a fresh\n"
-                    "interpreter. When the tenant lists host functions, a call_function\n"
-                    "tool calls them with JSON arguments under the same host-call limits.\n"
+        description="Serve the Model Context Protocol tools run_python, reset, write_file,\n"
+                    "read_file and list_files. With no options the policy is safe as it\n"
+                    "stands: default limits, no network, no host functions, no mounts.\n"
+                    "--config adds the policy of one tenant of a 'wasibox serve' config file\n"
+                    "(limits, mounts, HTTP allowlist, host functions, backend; no token\n"
+                    "needed); tool arguments cannot change it. Each MCP session gets its own\n"
+                    "workspace at /workspace, deleted when the session ends or sits idle, and\n"
+                    "one live interpreter: run_python calls share its variables until 'reset'\n"
+                    "(a tenant's sessions.enabled = false makes every call fresh). When the\n"
+                    "tenant lists host functions, a call_function tool calls them with JSON\n"
+                    "arguments under the same host-call limits.\n"
                     "Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
         epilog="examples:\n  wasibox mcp                                        # stdio, defaults\n"
                "  wasibox mcp --config wasibox.toml                  # stdio\n"

@@ -18,6 +18,7 @@ Example::
     limits = { fuel = 1_000_000_000, memory_bytes = "256MiB", timeout_s = 2 }
     functions = { lookup = "myapp.sandbox_functions:lookup" }
     backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
+    sessions = { max_sessions = 4, idle_timeout_s = 600 }   # live interpreters (/v1/sessions)
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
@@ -50,6 +51,7 @@ from ._errors import ConfigError, UsageError
 from ._files import Mount
 from ._http import HttpPolicy
 from ._limits import Limits, parse_size
+from ._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S
 
 __all__ = [
     "Config",
@@ -58,6 +60,7 @@ __all__ = [
     "MountConfig",
     "RateLimitConfig",
     "ServerConfig",
+    "SessionsConfig",
     "TenantConfig",
     "hash_token",
     "load_config",
@@ -213,6 +216,28 @@ class HttpConfig(_Strict):
             raise ValueError(str(exc)) from None
 
 
+class SessionsConfig(_Strict):
+    """Live sessions (``wasibox.Session``): ``/v1/sessions`` in ``wasibox serve``, and the
+    interpreter that ``run_python`` keeps from call to call in ``wasibox mcp``."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Whether this tenant may keep sessions. On: `run_python` in `wasibox "
+                    "mcp` keeps its variables from one call to the next (a `reset` tool "
+                    "starts afresh), and `wasibox serve` offers `/v1/sessions`. Off: every "
+                    "run starts from the snapshot.")
+    idle_timeout_s: float = Field(
+        default=DEFAULT_IDLE_TIMEOUT_S, gt=0, allow_inf_nan=False,
+        description="A session with no call for this long ends and frees its guest.")
+    max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S, gt=0, allow_inf_nan=False,
+        description="A session ends this long after it opened, however busy.")
+    max_sessions: int = Field(
+        default=4, ge=1, le=1000,
+        description="Sessions this tenant may hold open at once (each keeps a guest, up to "
+                    "`limits.memory_bytes`, alive); past it, `wasibox serve` answers 429.")
+
+
 class TenantConfig(_Strict):
     """One tenant: its credential, its policy and its share of the service.
 
@@ -238,6 +263,7 @@ class TenantConfig(_Strict):
     #: Let the microVM run under QEMU's software emulation (TCG), which is not a security
     #: boundary; unset, the WASIBOX_ALLOW_EMULATION environment variable decides.
     allow_emulation: bool | None = None
+    sessions: SessionsConfig = SessionsConfig()
 
     @pydantic.field_validator("token_sha256")
     @classmethod

@@ -122,6 +122,7 @@ class Sandbox:
 
     def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                 max_age_s: float = DEFAULT_MAX_AGE_S,
+                publish: Literal["on_close", "always"] = "on_close",
                 journal: Journal | str | os.PathLike[str] | None = None,
                 restore: bytes | str | os.PathLike[str] | Journal | None = None) -> Session:
         """Open a ``Session``: one live interpreter whose globals, imports and open files
@@ -132,6 +133,10 @@ class Sandbox:
         ``idle_timeout_s`` without a call or ``max_age_s`` after it opened, whichever comes
         first. With ``backend="auto"`` it runs on wasm, unless ``requires`` names a module
         only the microVM has. Close it (or use ``with``) to free its guest.
+
+        Writes to writable mounts are published when the session closes or expires; with
+        ``publish="always"`` also when a limit or a trap ends it (by default those discard
+        them, as a failed run's writes are discarded).
 
         ``journal`` (a new ``wasibox.Journal``, or a file path rewritten after every call)
         records the session's calls, so that ``wasibox.replay`` re-executes them in one new
@@ -146,13 +151,14 @@ class Sandbox:
         JournalError if it cannot be read, ReplayMismatch if a call did not reproduce, and
         UsageError if this Sandbox is set up differently.
 
-        Raises UsageError for a timeout that is not a positive number of seconds, or if the
-        backend keeps no sessions, GuestBuildError if the guest cannot be started, and
-        SandboxClosed after ``close()``.
+        Raises UsageError for a timeout that is not a positive number of seconds, an unknown
+        ``publish``, or if the backend keeps no sessions, GuestBuildError if the guest cannot
+        be started, and SandboxClosed after ``close()``.
         """
         self._ensure_open()
         session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
-                          max_age_s=max_age_s, journal=journal, restore=restore)
+                          max_age_s=max_age_s, publish=publish, journal=journal,
+                          restore=restore)
         with self._lock:
             self._sessions.add(session)
         return session

@@ -19,9 +19,11 @@ as usual (``limit_exceeded`` or ``error`` says why); every later call raises
 ``SessionEnded``, saying why. A session is never restarted behind the caller's back.
 
 Files. A session has one view of the Sandbox's mounts for its life, so a file stays open
-from one call to the next. Writes to writable mounts are staged and published by ``close()``
-if the session had not ended by then (a limit, a trap or an expiry discards them), as a
-run's writes are published when it ends ok; ``Session.files`` then lists them.
+from one call to the next. Writes to writable mounts are staged, and published when the
+session ends without a call being cut short: by ``close()``, the idle timeout or the maximum
+age (``Session.files`` then lists them). A session ended by a limit or a trap discards them,
+as a failed run's are discarded, since the call that was cut short may have left a file half
+written; ``Sandbox.session(publish="always")`` publishes them then too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._concurrency import RunHandle
 from ._control import RunControl
@@ -75,10 +78,13 @@ class Session:
     """
 
     def __init__(self, sandbox: Sandbox, backend: Backend, *, idle_timeout_s: float,
-                 max_age_s: float,
+                 max_age_s: float, publish: Literal["on_close", "always"] = "on_close",
                  journal: Journal | str | os.PathLike[str] | None = None,
                  restore: bytes | str | os.PathLike[str] | Journal | None = None) -> None:
         """Opened by ``Sandbox.session()``, which documents what it raises."""
+        if publish not in ("on_close", "always"):
+            raise UsageError(f"publish must be 'on_close' or 'always', not {publish!r}")
+        self._publish_always = publish == "always"
         for name, value in (("idle_timeout_s", idle_timeout_s), ("max_age_s", max_age_s)):
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not value > 0 or value == float("inf")):
@@ -300,16 +306,24 @@ class Session:
             self._last_used = time.monotonic()
             limit = result.limit_exceeded
             if limit is not None and (limit is not Limit.CANCELLED or not guest.alive):
-                self._end(SessionEnd.LIMIT, f"a call exceeded its {limit.value} limit", result)
+                self._end(SessionEnd.LIMIT, "a call was cancelled while it ran"
+                          if limit is Limit.CANCELLED else
+                          f"a call exceeded its {limit.value} limit", result)
             elif not guest.alive:
                 self._end(SessionEnd.TRAP, "its guest trapped or exited, so its interpreter "
                                            "is gone", result)
             if self._ended is not None:
-                self._release(publish=False)
+                self._release(publish=self._publish_always)
         _expiry.touch()
         if job.tape is not None and not job.tape.replaying:
             job.tape.finish(result)
         return result
+
+    def _view(self, guest_path: str) -> Path | None:
+        """The host directory holding the live session's view of the writable mount at
+        ``guest_path`` (its staging tree), or None once the session has ended."""
+        files = self._files
+        return None if files is None else files.trees.get(guest_path)
 
     def _raise_if_ended(self) -> None:
         ended = self._ended
@@ -361,7 +375,7 @@ class Session:
             else:
                 return min(self.opened_at + self.max_age_s,
                            self._last_used + self.idle_timeout_s)
-            self._release(publish=False)
+            self._release(publish=True)  # no call was cut short: as if it were closed
             return None
         finally:
             self._lock.release()
@@ -435,16 +449,19 @@ class _Expiry:
             with self._cond:
                 sessions = list(self._sessions)
             wake = now + 60.0
+            done = []
             for session in sessions:
                 try:
                     due = session._expire_if_due(now)
                 except WasiboxError:
                     due = None
                 if due is None:
-                    self._sessions.discard(session)
+                    done.append(session)
                 else:
                     wake = min(wake, due)
             with self._cond:
+                for session in done:
+                    self._sessions.discard(session)
                 if not self._sessions:
                     self._thread = None
                     return

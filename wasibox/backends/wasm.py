@@ -1039,15 +1039,12 @@ class _WasmSession(BackendSession):
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         self._store.set_limits(memory_size=limits.memory_bytes)
-        self._memory_bytes = limits.memory_bytes
         self._rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
         self._clock_ns = 0
-        self._alive = True
-        self._memory_peak = self._runtime.min_memory_bytes
 
     @property
     def alive(self) -> bool:
-        return self._alive
+        return self._store is not None
 
     def run(self, job: Job, control: RunControl | None = None) -> Outcome:
         control = control or RunControl()
@@ -1065,11 +1062,9 @@ class _WasmSession(BackendSession):
         self._clock_ns += outcome.fuel_used + run.slept_ns
         if outcome.reply is None:
             self.close()  # trapped or exited: wasmtime will not enter this instance again
-        outcome.memory_limit_bytes = self._memory_bytes
         return outcome
 
     def close(self) -> None:
-        self._alive = False
         # Dropping the references frees the instance (and its memory slot) with its store.
         self._store = self._execute = None
 
