@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import wasibox
 from tests.conftest import PYTHON, child_env
 from wasibox import GuestDigestMismatch, Journal, JournalError, ReplayMismatch, replay
+from wasibox.backends.base import Outcome
 from wasibox.backends.fake import FakeBackend
 
 pytestmark = pytest.mark.guest
@@ -287,7 +288,7 @@ def test_journal_misuse_is_a_usage_error(tmp_path: Path) -> None:
         sb.run("pass", journal=journal)
     with wasibox.Sandbox(seed=2) as sb, pytest.raises(wasibox.UsageError, match="another"):
         sb.run("pass", journal=journal)
-    fake = FakeBackend(lambda job, control: wasibox.backends.base.Outcome())
+    fake = FakeBackend(lambda job, control: Outcome())
     with wasibox.Sandbox(backend=fake) as sb, pytest.raises(wasibox.UsageError,
                                                             match="does not record"):
         sb.run("pass", journal=Journal())

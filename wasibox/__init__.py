@@ -11,28 +11,31 @@ from ._errors import (
     Busy,
     ConfigError,
     EmulationRefused,
+    FunctionRefused,
     GuestBuildError,
     GuestDigestMismatch,
     GuestError,
+    GuestMismatch,
     JournalError,
     LimitExceeded,
     ReplayMismatch,
     SandboxClosed,
     SessionEnded,
     UsageError,
+    VMError,
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._files import FileRecord, Mount, RefusedFile
+from ._files import Mount
 from ._guest import guest_digest
-from ._http import HttpPolicy
 from ._journal import Journal, ReplayReport, replay
 from ._limits import Limit, Limits
-from ._result import GuestException, RunResult
+from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
 from ._session import Session, SessionEnd
-from ._transform import Failed, Transform, TransformProgress, TransformSpec
+from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
+from .capabilities.http import HttpPolicy
 
 __all__ = [
     "Busy",
@@ -40,11 +43,14 @@ __all__ = [
     "ConfigError",
     "EmulationRefused",
     "Failed",
+    "FailedRecord",
     "FileRecord",
+    "FunctionRefused",
     "GuestBuildError",
     "GuestDigestMismatch",
     "GuestError",
     "GuestException",
+    "GuestMismatch",
     "HttpPolicy",
     "Journal",
     "JournalError",
@@ -67,6 +73,7 @@ __all__ = [
     "TransformProgress",
     "TransformSpec",
     "UsageError",
+    "VMError",
     "WasiboxError",
     "guest_digest",
     "replay",

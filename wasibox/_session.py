@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from ._concurrency import RunHandle
 from ._control import RunControl
 from ._errors import SandboxClosed, SessionEnded, UsageError, WasiboxError
-from ._files import FileRecord, FileSession, QuotaExceeded, RefusedFile
+from ._files import FileSession, QuotaExceeded
 from ._limits import Limit, Limits
-from ._result import RunResult, build_result
+from ._result import FileRecord, RefusedFile, RunResult, build_result
 from .backends.base import Backend, BackendSession, Job
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from ._sandbox import Sandbox, sandbox_for
 from ._wire import ProtocolError
 from .backends.base import Backend
 
-__all__ = ["Failed", "Transform", "TransformProgress", "TransformSpec"]
+__all__ = ["Failed", "FailedRecord", "Transform", "TransformProgress", "TransformSpec"]
 
 OnError = Literal["raise", "skip", "collect"]
 #: The largest batch reply accepted, in characters.
@@ -55,7 +55,7 @@ DEFAULT_BATCH_SIZE = 1000
 
 
 @dataclasses.dataclass(frozen=True)
-class Failed:
+class FailedRecord:
     """A record that failed, in place of its output (``on_error="collect"``).
 
     ``index`` is the record's index in the whole input (plus ``start``); ``error`` is the
@@ -72,6 +72,10 @@ class Failed:
             return {"index": self.index, "type": "LimitExceeded", "limit": error.limit.value,
                     "message": str(error)}
         return {"index": self.index, "type": error.type, "message": error.message}
+
+
+#: ``FailedRecord``'s first name, kept as an alias so code written against it keeps working.
+Failed = FailedRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,7 +139,7 @@ class Transform:
 
     ``on_error`` says what a failed record becomes: ``"raise"`` raises its GuestError or
     LimitExceeded (with ``.index``), ``"skip"`` drops it, ``"collect"`` puts a
-    ``wasibox.Failed(index, error)`` in its place.
+    ``wasibox.FailedRecord(index, error)`` in its place.
 
     Raises UsageError for a bad entry name, policy, batch size or sandbox option.
     """
@@ -206,7 +210,7 @@ class Transform:
         ``on_error`` says, and UsageError for a record that is not plain data.
         """
         item = self._run([record], 0)[0]
-        if isinstance(item, Failed):
+        if isinstance(item, FailedRecord):
             raise item.error
         return item
 
@@ -258,7 +262,7 @@ class Transform:
     @staticmethod
     def _fingerprint_entry(index: int, item: Any) -> bytes:
         """What ``fingerprint`` hashes for the item at ``index`` (shared with wasibox.dask)."""
-        if isinstance(item, Failed):
+        if isinstance(item, FailedRecord):
             described = item.to_dict()
             return _canonical([index, "failed", described["type"], described["message"]])
         return _canonical([index, "ok", item])
@@ -318,7 +322,7 @@ class Transform:
                     items = self._settle(batch, first, future.result())
                     done += len(batch)
                     for item in items:
-                        if isinstance(item, Failed):
+                        if isinstance(item, FailedRecord):
                             failed += 1
                             if policy == "raise":
                                 raise item.error
@@ -334,7 +338,7 @@ class Transform:
                     future.cancel()
 
     def _run(self, batch: list[Any], index: int) -> list[Any]:
-        """Outputs (or Failed) for ``batch``, whose first record has index ``index``."""
+        """Outputs (or FailedRecord) for ``batch``, whose first record has index ``index``."""
         return self._settle(batch, index, self._attempt(batch, index))
 
     def _payload(self, batch: list[Any], index: int) -> bytes:
@@ -393,7 +397,7 @@ class Transform:
         return items
 
     def _failed(self, index: int, outcome: Outcome, failure: GuestException | None,
-                memory: bool = False) -> Failed:
+                memory: bool = False) -> FailedRecord:
         result = _result_of(outcome, self._sandbox, failure, memory)
         error: GuestError | LimitExceeded
         if result.limit_exceeded is not None:
@@ -403,7 +407,7 @@ class Transform:
             error = GuestError(result.error, result)
         error.index = index
         error.args = (f"record {index}: {error.args[0]}",)
-        return Failed(index, error)
+        return FailedRecord(index, error)
 
 
 def _result_of(outcome: Outcome, sandbox: Sandbox, failure: GuestException | None,

@@ -20,7 +20,8 @@ This is the only module that imports ``wasmtime``. It owns:
   wasmtime's own, so a guest sees only the virtual clock and seeded entropy unless the
   policy grants the real ones, and so no WASI call can block past the deadline;
 * the wiring of the host-call channel (host functions and mediated HTTP). Its checks and
-  policy live in ``wasibox/_hostcall.py`` and ``wasibox/_http.py``, shared by every backend.
+  policy live in ``capabilities/hostcall.py`` and ``capabilities/http.py``, shared by every
+  backend.
 
 Two run paths give the same behaviour: the *native* one (the default where it can be built)
 makes the guest call and serves the host functions every run uses in C, with the GIL
@@ -59,12 +60,12 @@ from .._errors import GuestBuildError, JournalError, UsageError
 from .._events import CapabilityEvent
 from .._files import FilesError, FileSession, StatInfo
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
-from .._hostcall import HostCalls, StopRun
-from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request, max_elements
+from ..capabilities.hostcall import HostCalls, StopRun
+from ..capabilities.http import HttpGate
 from ._native import NativeBuild
 from ._native import load as load_native
 from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
@@ -259,7 +260,7 @@ class _Run:
 
     # -- host functions and HTTP ---------------------------------------------------------
     def host_call(self, name: str, payload: str) -> cm.Variant:
-        """One call through the host channel (capabilities/host/host.wit)."""
+        """One call through the host channel (guest/wit/host.wit)."""
         if self.host_calls is None:
             policy = self.job.policy
             self.host_calls = HostCalls(
