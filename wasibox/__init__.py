@@ -28,8 +28,9 @@ from ._errors import (
 from ._events import CapabilityEvent
 from ._files import Mount
 from ._guest import guest_digest
-from ._journal import Journal, ReplayReport, replay
+from ._journal import Journal, ReplayReport
 from ._limits import Limit, Limits
+from ._replay import replay
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
 from ._session import Session, SessionEnd

@@ -330,7 +330,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from ._journal import replay
+    from ._replay import replay
 
     report = replay(args.journal, check=False,
                     max_bytes=parse_size(args.max_bytes, "--max-bytes"))

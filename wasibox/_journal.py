@@ -60,7 +60,6 @@ import msgpack
 from ._errors import (
     GuestDigestMismatch,
     JournalError,
-    ReplayMismatch,
     SessionEnded,
     UsageError,
 )
@@ -72,8 +71,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from .backends.base import Job, Policy
 
-__all__ = ["DEFAULT_JOURNAL_BYTES", "JOURNAL_VERSION", "Journal", "ReplayReport", "Tape",
-           "replay"]
+__all__ = ["DEFAULT_JOURNAL_BYTES", "JOURNAL_VERSION", "Journal", "ReplayReport", "Tape"]
 
 #: The journal format's version: the value of the header's ``wasibox_journal`` key.
 JOURNAL_VERSION = 1
@@ -745,40 +743,3 @@ def compare(recorded: Mapping[str, Any], result: RunResult, tape: Tape) -> tuple
 def _clip(value: Any) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 300 else text[:300] + f"... ({len(text):,} characters)"
-
-
-def replay(journal: Journal | str | os.PathLike[str], *, check: bool = True,
-           max_bytes: int = DEFAULT_JOURNAL_BYTES) -> ReplayReport:
-    """Re-execute a journal offline and compare every output and the fuel with the record.
-
-    Nothing of the host is used: no network, no mounts, no host functions; every value that
-    crossed into the guest is served from the journal. A ``"run"`` journal replays each
-    call in a fresh interpreter; a ``"session"`` journal replays its calls in one new
-    session. Returns the report; with ``check`` (the default) raises ReplayMismatch, with
-    the diff, if any call differs.
-
-    Raises JournalError if the journal cannot be read (or is larger than ``max_bytes``, or
-    was truncated), GuestDigestMismatch if another guest recorded it, ReplayMismatch as
-    said, and UsageError if the journal holds something this Sandbox refuses.
-    """
-    from ._sandbox import Sandbox
-
-    journal = load_for_replay(journal, max_bytes)
-    header = journal.header
-    assert header is not None
-    with Sandbox(Limits(**header["limits"]), seed=header["seed"], clock=header["clock"],
-                 entropy=header["entropy"], backend="wasm",
-                 python_path=header["python_path"]) as sandbox:
-        # A session's calls replay in one new session, a run journal's each in a fresh
-        # interpreter, as they were recorded.
-        if header["kind"] == "session":
-            with sandbox.session() as session:
-                results, differences = replay_into(journal, session._run_taped)
-        else:
-            results, differences = replay_into(journal, sandbox._run_taped)
-    report = ReplayReport(tuple(results), tuple(differences))
-    if check and not report.ok:
-        first = next(index for index, lines in enumerate(differences) if lines)
-        raise ReplayMismatch(first, report.diff())
-    return report
-
