@@ -369,12 +369,21 @@ class Sandbox:
                         keywords.pop("limits"), context)
         return self._runner.run(dataclasses.replace(job, tape=tape))
 
+    def _context_job(self, code: str, narrow: Mapping[str, Any] | None,
+                     stdin: str | bytes | None, argv: Sequence[str] | None,
+                     env: Mapping[str, str] | None) -> Job:
+        """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
+        return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
+
+    def _result(self, outcome: Outcome, backend: str) -> RunResult:
+        """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES)
+
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
         try:
-            result = run_with_files(job, lambda job: build_result(
-                backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES),
-                control)
+            result = run_with_files(job, lambda job: self._result(
+                backend.execute(job, control), backend.name), control)
         except BaseException:
             if job.tape is not None:
                 job.tape.abandon()  # the call never ran: nothing to replay
@@ -384,8 +393,7 @@ class Sandbox:
         return result
 
     def _cancelled_result(self, job: Job) -> RunResult:
-        result = build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
-                              REPLY_LIMIT_BYTES)
+        result = self._result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name)
         if job.tape is not None and not job.tape.replaying:
             job.tape.finish(result)
         return result

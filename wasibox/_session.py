@@ -43,12 +43,12 @@ from ._control import RunControl
 from ._errors import SandboxClosed, SessionEnded, UsageError, WasiboxError
 from ._files import FileSession, QuotaExceeded
 from ._limits import Limit, Limits
-from ._result import FileRecord, RefusedFile, RunResult, build_result
+from ._result import FileRecord, RefusedFile, RunResult
 from .backends.base import Backend, BackendSession, Job
 
 if TYPE_CHECKING:
     from ._journal import Journal, Tape
-    from ._sandbox import Sandbox, _Context
+    from ._sandbox import Sandbox
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_AGE_S", "Session", "SessionEnd"]
 
@@ -267,10 +267,8 @@ class Session:
         if limits is not None and isinstance(limits, Mapping) and "memory_bytes" in limits:
             raise UsageError("a session's memory cap is set for its whole life (its guest's "
                              "memory never shrinks); set memory_bytes on the Sandbox's Limits")
-        from ._sandbox import _Context
-
-        context: _Context = _Context(b"" if stdin is None else stdin, argv, env)
-        job = self._sandbox._job(code, None, (), None, limits, context)
+        job = self._sandbox._context_job(code, limits, b"" if stdin is None else stdin, argv,
+                                         env)
         job = dataclasses.replace(job, session=True, files=self._files)
         if self._journal is None:
             return job
@@ -302,7 +300,7 @@ class Session:
                     self._release(publish=False)
                 raise
             self._calls += 1
-            result = build_result(outcome, self._backend.name, _reply_limit())
+            result = self._sandbox._result(outcome, self._backend.name)
             self._last_used = time.monotonic()
             limit = result.limit_exceeded
             if limit is not None and (limit is not Limit.CANCELLED or not guest.alive):
@@ -401,12 +399,6 @@ def _session_journal(journal: Journal | str | os.PathLike[str] | None,
         raise UsageError("journal must be a wasibox.Journal or a file path, not "
                          f"{type(journal).__name__}")
     return Journal(), journal
-
-
-def _reply_limit() -> int:
-    from ._sandbox import REPLY_LIMIT_BYTES
-
-    return REPLY_LIMIT_BYTES
 
 
 def _open_files(sandbox: Sandbox, limits: Limits) -> FileSession | None:
