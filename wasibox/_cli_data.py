@@ -27,7 +27,7 @@ from ._errors import UsageError
 from ._files import Mount
 from ._limits import Limits
 from ._select import parse
-from ._transform import BATCH_REPLY_LIMIT
+from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
 
 __all__ = ["FORMATS", "add_commands", "format_of", "parse_mount", "read_records",
@@ -156,7 +156,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("output", metavar="OUTPUT", help="where to write ('-' for stdout)")
     transform.add_argument("--entry", default="transform",
                            help="the function to apply (default: %(default)s)")
-    transform.add_argument("--batch-size", type=int, default=1000,
+    transform.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                            help="records per sandbox instance (default: %(default)s)")
     transform.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                            help="stop at the first failed record, or skip failed records "
