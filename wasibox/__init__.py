@@ -13,10 +13,13 @@ from ._errors import (
     EmulationRefused,
     FunctionRefused,
     GuestBuildError,
+    GuestDigestMismatch,
     GuestError,
     GuestMismatch,
+    JournalError,
     LimitExceeded,
     NativeOnlyPackage,
+    ReplayMismatch,
     SandboxClosed,
     SessionEnded,
     UsageError,
@@ -25,8 +28,10 @@ from ._errors import (
 )
 from ._events import CapabilityEvent
 from ._files import Mount
+from ._journal import Journal, ReplayReport
 from ._limits import Limit, Limits
 from ._packages import Packages, guest_digest
+from ._replay import replay
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
 from ._session import Session, SessionEnd
@@ -44,10 +49,13 @@ __all__ = [
     "FileRecord",
     "FunctionRefused",
     "GuestBuildError",
+    "GuestDigestMismatch",
     "GuestError",
     "GuestException",
     "GuestMismatch",
     "HttpPolicy",
+    "Journal",
+    "JournalError",
     "Limit",
     "LimitExceeded",
     "Limits",
@@ -55,6 +63,8 @@ __all__ = [
     "NativeOnlyPackage",
     "Packages",
     "RefusedFile",
+    "ReplayMismatch",
+    "ReplayReport",
     "RunHandle",
     "RunResult",
     "RunState",
@@ -70,6 +80,7 @@ __all__ = [
     "VMError",
     "WasiboxError",
     "guest_digest",
+    "replay",
     "run",
 ]
 

@@ -9,6 +9,9 @@
     │   └── GuestMismatch         a dask worker's guest differs from the client's
     ├── VMError                   a microVM could not be started or snapshotted
     ├── Busy                      max_concurrency runs are active and max_queue more wait
+    ├── JournalError              a journal cannot be read or replayed (names the line)
+    │   ├── GuestDigestMismatch   the journal was recorded by another guest (names both)
+    │   └── ReplayMismatch        the replay's outputs differ from the journal's; ``.diff``
     ├── SessionEnded              a Session was used after it ended; ``.reason`` says why
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
@@ -38,10 +41,13 @@ __all__ = [
     "EmulationRefused",
     "FunctionRefused",
     "GuestBuildError",
+    "GuestDigestMismatch",
     "GuestError",
+    "JournalError",
     "GuestMismatch",
     "LimitExceeded",
     "NativeOnlyPackage",
+    "ReplayMismatch",
     "SandboxClosed",
     "SessionEnded",
     "UsageError",
@@ -221,3 +227,41 @@ class LimitExceeded(WasiboxError):
     def __reduce__(self) -> tuple[Any, ...]:
         # As GuestError's.
         return (_rebuilt, (type(self), (self.limit, self.result), self.args, self.__dict__))
+
+
+class JournalError(WasiboxError):
+    """A journal could not be read or replayed: it is malformed, of an unknown version,
+    larger than the size it may be read at, or was truncated when it was recorded. The
+    message names the line and says what to do."""
+
+
+class GuestDigestMismatch(JournalError):
+    """A journal was recorded by another guest than this installation's; a replay must run
+    the very guest that recorded it. ``recorded`` and ``current`` are the two digests."""
+
+    def __init__(self, recorded: str, current: str) -> None:
+        self.recorded = recorded
+        self.current = current
+        super().__init__(f"the journal was recorded by guest {recorded}, but this wasibox "
+                         f"runs guest {current}; replay it with the wasibox version that "
+                         "recorded it (`wasibox doctor` shows the guest digest)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.recorded, self.current), self.args,
+                           self.__dict__))
+
+
+class ReplayMismatch(JournalError):
+    """A replay ran, but what it produced differs from what the journal recorded.
+
+    ``diff`` says, call by call and field by field, what was recorded and what the replay
+    gave; ``call`` is the index of the first call that differed.
+    """
+
+    def __init__(self, call: int, diff: str) -> None:
+        self.call = call
+        self.diff = diff
+        super().__init__(f"the replay differs from the journal at call {call}:\n{diff}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.call, self.diff), self.args, self.__dict__))

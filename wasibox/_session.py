@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import threading
 import time
 import weakref
@@ -46,6 +47,7 @@ from ._result import FileRecord, RefusedFile, RunResult
 from .backends.base import Backend, BackendSession, Job
 
 if TYPE_CHECKING:
+    from ._journal import Journal, Tape
     from ._sandbox import Sandbox
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_AGE_S", "Session", "SessionEnd"]
@@ -77,7 +79,8 @@ class Session:
 
     def __init__(self, sandbox: Sandbox, backend: Backend, *, idle_timeout_s: float,
                  max_age_s: float, publish: Literal["on_close", "always"] = "on_close",
-                 ) -> None:
+                 journal: Journal | str | os.PathLike[str] | None = None,
+                 restore: bytes | str | os.PathLike[str] | Journal | None = None) -> None:
         """Opened by ``Sandbox.session()``, which documents what it raises."""
         if publish not in ("on_close", "always"):
             raise UsageError(f"publish must be 'on_close' or 'always', not {publish!r}")
@@ -86,6 +89,13 @@ class Session:
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not value > 0 or value == float("inf")):
                 raise UsageError(f"{name} must be a positive number of seconds, not {value!r}")
+        #: Where the session's calls are recorded (see ``Sandbox.session``), and the file
+        #: the journal is written to after each call.
+        self._journal, self._journal_path = _session_journal(journal)
+        if journal is not None or restore is not None:
+            from ._journal import journal_digest
+
+            journal_digest(backend)  # refused before a guest is started for it
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_age_s = float(max_age_s)
         self._sandbox = sandbox
@@ -109,6 +119,12 @@ class Session:
         self.opened_at = time.monotonic()
         self._last_used = self.opened_at
         _expiry.watch(self)
+        if restore is not None:
+            try:
+                self._restore(restore)
+            except BaseException:
+                self.close()
+                raise
 
     # -- the public API ---------------------------------------------------------------------
 
@@ -166,6 +182,54 @@ class Session:
         return self._sandbox._runner.start(self._job(code, limits, stdin, argv, env),
                                            self._execute)
 
+    def snapshot(self) -> bytes:
+        """The session's state as of its last call, to restore with
+        ``Sandbox.session(restore=...)``, in this process or another with the same guest.
+
+        Wasmtime cannot capture a component instance's state (its linear memory, globals,
+        tables and WASI resources are not reachable through the component API), so a
+        snapshot is the session's journal, and restoring it re-executes the calls exactly;
+        docs/journal.md says what that costs. It holds what the journal holds (the calls'
+        code and input, every value the host handed the guest) and no host paths.
+
+        Raises UsageError if the session was not opened with ``journal=`` (or restored),
+        or its journal was truncated; SessionEnded if the session has ended.
+        """
+        with self._lock:
+            self._raise_if_ended()
+            if self._journal is None:
+                raise UsageError("this session records no journal, so it cannot be "
+                                 "snapshotted: open it with Sandbox.session("
+                                 "journal=wasibox.Journal())")
+            if self._journal.truncated:
+                raise UsageError(f"this session's journal passed its bound of "
+                                 f"{self._journal.max_bytes} bytes, so it cannot be "
+                                 "snapshotted; open it with a larger Journal(max_bytes=...)")
+            return self._journal.dumps()
+
+    def _restore(self, snapshot: bytes | str | os.PathLike[str] | Journal) -> None:
+        """Bring this new session to ``snapshot``'s state by re-executing its calls."""
+        from ._errors import ReplayMismatch
+        from ._journal import adopt, header_for, journal_digest, load_snapshot, replay_into
+
+        journal = load_snapshot(snapshot)
+        header = header_for("session", journal_digest(self._backend),
+                            self._sandbox.policy, self._sandbox.limits,
+                            self._sandbox.python_path)
+        assert journal.header is not None
+        differing = sorted(key for key in header.keys() | journal.header.keys()
+                           if header.get(key) != journal.header.get(key))
+        if differing:
+            raise UsageError(f"this Sandbox is not set up as the one that took the snapshot "
+                             f"(it differs in {', '.join(differing)}); restore it in a "
+                             "Sandbox with the same settings")
+        recording, self._journal = self._journal, None  # the restored calls are recorded
+        _, differences = replay_into(journal, self._run_taped, redo_files=True)
+        for index, lines in enumerate(differences):
+            if lines:
+                raise ReplayMismatch(index, "\n".join(lines))
+        self._journal = adopt(journal, recording)
+
     def close(self) -> None:
         """End the session and free its guest; idempotent.
 
@@ -205,7 +269,21 @@ class Session:
                              "memory never shrinks); set memory_bytes on the Sandbox's Limits")
         job = self._sandbox._context_job(code, limits, b"" if stdin is None else stdin, argv,
                                          env)
-        return dataclasses.replace(job, session=True, files=self._files)
+        job = dataclasses.replace(job, session=True, files=self._files)
+        if self._journal is None:
+            return job
+        tape = self._sandbox._record(job, self._journal, "session", self._backend)
+        tape.save_to = self._journal_path
+        return dataclasses.replace(job, tape=tape)
+
+    def _run_taped(self, keywords: dict[str, Any], tape: Tape) -> RunResult:
+        """Replay one recorded call in this session, ``tape`` serving the boundary."""
+        # The memory cap is the session's own (recorded in the journal's header).
+        limits = {name: value for name, value in keywords["limits"].items()
+                  if name != "memory_bytes"}
+        job = self._job(keywords["code"], limits, keywords["stdin"], keywords["argv"],
+                        keywords["env"])
+        return self._sandbox._runner.run(dataclasses.replace(job, tape=tape), self._execute)
 
     def _execute(self, job: Job, control: RunControl) -> RunResult:
         """Run one call in the guest; end the session if the call leaves it unusable."""
@@ -215,6 +293,8 @@ class Session:
             try:
                 outcome = guest.run(job, control)
             except BaseException:
+                if job.tape is not None:
+                    job.tape.abandon()  # the call never ran: nothing to replay
                 if not guest.alive:
                     self._end(SessionEnd.TRAP, "its guest failed")
                     self._release(publish=False)
@@ -233,6 +313,8 @@ class Session:
             if self._ended is not None:
                 self._release(publish=self._publish_always)
         _expiry.touch()
+        if job.tape is not None and not job.tape.replaying:
+            job.tape.finish(result)
         return result
 
     def _view(self, guest_path: str) -> Path | None:
@@ -295,6 +377,28 @@ class Session:
             return None
         finally:
             self._lock.release()
+
+
+def _session_journal(journal: Journal | str | os.PathLike[str] | None,
+                     ) -> tuple[Journal | None, str | os.PathLike[str] | None]:
+    """The journal a session records into, and the file it is written to (if any).
+
+    A session records into a journal of its own; raises UsageError for a Journal that has
+    recorded something already, or for a value that is neither a Journal nor a path.
+    """
+    from ._journal import Journal
+
+    if journal is None:
+        return None, None
+    if isinstance(journal, Journal):
+        if journal.header is not None:
+            raise UsageError("a session records into a journal of its own: pass a new "
+                             "wasibox.Journal (or a file path)")
+        return journal, None
+    if not isinstance(journal, str | os.PathLike):
+        raise UsageError("journal must be a wasibox.Journal or a file path, not "
+                         f"{type(journal).__name__}")
+    return Journal(), journal
 
 
 def _open_files(sandbox: Sandbox, limits: Limits) -> FileSession | None:

@@ -24,6 +24,7 @@ from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
     from .._files import FileSession, Mount
+    from .._journal import Tape
 
 __all__ = ["Backend", "BackendSession", "Job", "Outcome", "Policy", "RunControl"]
 
@@ -84,6 +85,10 @@ class Job:
     argv: tuple[str, ...] | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     stdin: bytes | None = None
+    #: The journal tape of this call (``Sandbox.run(journal=...)``, ``wasibox.replay``), or
+    #: None. A backend that supports journals records every value it hands the guest on it
+    #: or, when the tape is replaying, serves the recorded value instead of asking the host.
+    tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
     #: A call of a ``wasibox.Session``: the guest runs ``code`` in the namespace the
     #: session's earlier calls left (the first call makes it), and leaves its files open.
     session: bool = False
