@@ -246,17 +246,19 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
 
 # From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
-# file system holds only the run's mounts (wasibox_files.py), and sys.path starts empty, so
-# the path importer finds only what a run puts on sys.path (the job's ``path``, or the
-# program's own sys.path.insert), and reads it through the same mounts as open(). The packed
-# stdlib comes first, so a user module cannot shadow a stdlib one.
+# file system holds only the run's mounts (wasibox_files.py), and sys.path starts as
+# ``python -c`` starts it, with "" (the current directory, "/" unless the program changes
+# it), so the path importer finds only what is in the current directory or a run puts on
+# sys.path (the job's ``path``, or the program's own sys.path.insert), and reads it through
+# the same mounts as open(). The packed stdlib comes first, so a user module cannot shadow a
+# stdlib one.
 sys.meta_path[:] = [
     importlib.machinery.BuiltinImporter,
     importlib.machinery.FrozenImporter,
     _PackedFinder(),
     importlib.machinery.PathFinder,
 ]
-sys.path[:] = []
+sys.path[:] = [""]
 sys.path_hooks[:] = [importlib.machinery.FileFinder.path_hook(
     (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
     (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))]
