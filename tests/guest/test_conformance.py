@@ -75,6 +75,25 @@ def test_lazily_imported_stdlib_modules_have_a_file(sandbox: wasibox.Sandbox) ->
     assert lines[2] == "29"
 
 
+def test_tracebacks_and_inspect_show_stdlib_source(sandbox: wasibox.Sandbox) -> None:
+    # test_contextlib compares the lines of a traceback through contextlib (preloaded into
+    # the snapshot); colorsys is imported lazily, from the packed stdlib.
+    result = sandbox.run(textwrap.dedent("""
+        import colorsys, contextlib, inspect, traceback
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.callback(lambda: 1 / 0)
+        except ZeroDivisionError as exc:
+            print([frame.line for frame in traceback.extract_tb(exc.__traceback__)])
+        print(inspect.getsource(colorsys.rgb_to_yiq).splitlines()[0])
+    """))
+    assert result.ok, result.error
+    assert result.stdout.splitlines() == [
+        "['with contextlib.ExitStack() as stack:', 'raise exc', 'if cb(*exc_details):', "
+        "'callback(*args, **kwds)', 'stack.callback(lambda: 1 / 0)']",
+        "def rgb_to_yiq(r, g, b):"]
+
+
 def test_file_errors_carry_no_internal_context_and_unittest_reports_them(
         sandbox: wasibox.Sandbox) -> None:
     result = sandbox.run(textwrap.dedent("""
