@@ -170,7 +170,8 @@ for key, code in request["jobs"]:
             reply = {"key": key, "stdout": result.stdout_text}
         except Exception as error:
             text = str(error).strip()
-            reply = {"key": key, "error": type(error).__name__ + ": " + text.splitlines()[-1]
+            reply = {"key": key, "timeout": isinstance(error, TimeoutError),
+                     "error": type(error).__name__ + ": " + text.splitlines()[-1]
                      if text else type(error).__name__}
     print(json.dumps(reply), flush=True)
 """
@@ -438,7 +439,7 @@ class Eryx(Runner):
             parsed = parse_report(reply.get("stdout", ""))
             error = str(reply.get("error", "no report"))
             outcomes[int(reply["key"])] = parsed or Outcome(
-                note=error[:100], crashed=not error.startswith("TimeoutError"))
+                note=error[:100], crashed=not reply.get("timeout"))
         for outcome in outcomes:
             outcome.seconds = seconds
         return outcomes
