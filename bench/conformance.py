@@ -71,8 +71,10 @@ DEFAULT_MODULES = (
 LIB_TEST_ENV = "WASIBOX_CPYTHON_LIB_TEST"
 GUEST_ROOT = "/cpython"
 MARKER = "@@wasibox-conformance@@"
-#: Failing tests rerun one by one in eryx when rerunning them together ends in a trap.
-MAX_SINGLE_RERUNS = 40
+#: The time limit of each run that looks for the test crashing or hanging a module: a test
+#: still running after this long is taken to hang (as CPython 3.14.0's csv.Sniffer does on
+#: the regular-expression backtracking tests of later 3.14 releases).
+BISECT_TIMEOUT_S = 60.0
 
 #: The guest side, the same in wasibox and eryx: a finder for the mounted ``test`` package
 #: (loading it from the mount by name, whatever path-based finders the guest has), then one
@@ -154,15 +156,15 @@ GUEST_PROGRAM = textwrap.dedent("""
     print("\\n" + MARKER + json.dumps(report()))
 """)
 
-#: Runs in the eryx venv: reads ``{"lib_test", "timeout_s", "jobs": [[key, code], ...]}`` on
+#: Runs in the eryx venv: reads ``{"lib_test", "jobs": [[key, code, timeout_s], ...]}`` on
 #: stdin and prints one JSON line per job: its stdout, or the error that ended it.
 ERYX_CHILD = """\
 import json, sys, tempfile
 import eryx
 request = json.load(sys.stdin)
-limits = eryx.ResourceLimits(execution_timeout_ms=int(request["timeout_s"] * 1000),
-                             max_memory_bytes=1 << 30)
-for key, code in request["jobs"]:
+for key, code, timeout_s in request["jobs"]:
+    limits = eryx.ResourceLimits(execution_timeout_ms=int(timeout_s * 1000),
+                                 max_memory_bytes=1 << 30)
     with tempfile.TemporaryDirectory() as scratch:
         volumes = [(request["lib_test"], "/cpython/test", True), (scratch, "/tmp", False)]
         try:
@@ -188,6 +190,7 @@ class Job:
     only: tuple[str, ...] | None = None
     window: tuple[int, int] | None = None
     list_only: bool = False
+    timeout_s: float | None = None  #: None: the runner's own
 
     def code(self) -> str:
         only = None if self.only is None else list(self.only)
@@ -209,10 +212,12 @@ class Outcome:
     missing: list[str] = dataclasses.field(default_factory=list)
     ids: list[str] = dataclasses.field(default_factory=list)
     module_skipped: str = ""
-    #: Why the run produced no report; ``crashed`` if it ended in a trap (not a time limit),
-    #: so running its tests in smaller groups can find the test that crashes it.
+    #: Why the run produced no report: ``crashed`` if it ended in a trap, ``timed_out`` if it
+    #: ran out of time; either way, running its tests in smaller groups finds the test that
+    #: crashed or hung it.
     note: str = ""
     crashed: bool = False
+    timed_out: bool = False
     seconds: float = 0.0
 
     @property
@@ -266,12 +271,12 @@ class Runner:
         raise NotImplementedError
 
     def module(self, module: str) -> Outcome:
-        """The whole module; if a test crashes the interpreter, the module's other tests
-        are still counted, and each crashing test is an error naming the crash."""
+        """The whole module; if a test crashes the interpreter or hangs, the module's other
+        tests are still counted, and each such test is an error naming the crash or hang."""
         (outcome,) = self.run([Job(module)])
-        if outcome.completed or not outcome.crashed:
+        if outcome.completed or not (outcome.crashed or outcome.timed_out):
             return outcome
-        (listing,) = self.run([Job(module, list_only=True)])
+        (listing,) = self.run([Job(module, list_only=True, timeout_s=BISECT_TIMEOUT_S)])
         if not listing.completed:
             return outcome
         total = Outcome(seconds=outcome.seconds + listing.seconds)
@@ -283,17 +288,18 @@ class Runner:
         start, stop = window
         if stop - start == 1:
             total.run += 1
-            total.errored[ids[start]] = "crashed: " + note
+            total.errored[ids[start]] = note
             return
         middle = (start + stop) // 2
         halves = [(start, middle), (middle, stop)]
-        for half, outcome in zip(halves, self.run([Job(module, window=h) for h in halves]),
-                                 strict=True):
+        jobs = [Job(module, window=half, timeout_s=BISECT_TIMEOUT_S) for half in halves]
+        for half, outcome in zip(halves, self.run(jobs), strict=True):
             if outcome.completed:
                 total.add(outcome)
-            elif outcome.crashed:
-                self._bisect(module, ids, half, outcome.note, total)
-            else:  # a time limit: these tests count as errors, all of them
+            elif outcome.crashed or outcome.timed_out:
+                kind = "crashed" if outcome.crashed else "hung"
+                self._bisect(module, ids, half, f"{kind}: {outcome.note}", total)
+            else:  # no report for another reason: these tests count as errors, all of them
                 total.run += half[1] - half[0]
                 total.errored.update((name, outcome.note) for name in ids[half[0]:half[1]])
 
@@ -318,8 +324,9 @@ def find_lib_test(given: str | None, version: str) -> tuple[Path, str] | None:
 
 def debian_origin(deb_version: str, version: str) -> str:
     upstream = deb_version.split("-")[0]
-    return (f"CPython {upstream} (Debian's libpython3.X-testsuite {deb_version}): the same "
-            f"minor release as the guest's {version}, not the same patch release")
+    minor = ".".join(upstream.split(".")[:2])
+    return (f"CPython {upstream} (Debian's libpython{minor}-testsuite {deb_version}): the "
+            f"same minor release as the guest's {version}, not the same patch release")
 
 
 def debian_mirror() -> str | None:
@@ -393,8 +400,8 @@ class Wasibox(Runner):
         return [self._one(job) for job in jobs]
 
     def _one(self, job: Job) -> Outcome:
-        limits = wasibox.Limits(timeout_s=self.timeout_s, fuel=10**13, memory_bytes=1 << 30,
-                                output_bytes=16 * 2**20)
+        limits = wasibox.Limits(timeout_s=job.timeout_s or self.timeout_s, fuel=10**13,
+                                memory_bytes=1 << 30, output_bytes=16 * 2**20)
         mounts = [wasibox.Mount(self.lib_test, f"{GUEST_ROOT}/test"),
                   wasibox.Mount.scratch("/tmp")]
         started = time.monotonic()
@@ -402,16 +409,17 @@ class Wasibox(Runner):
             result = sandbox.run(job.code())
         outcome = parse_report(result.stdout) if result.ok else None
         if outcome is None:
-            crashed = False
+            crashed = timed_out = False
             if result.limit_exceeded is not None:
                 note = f"{result.limit_exceeded.value} limit"
                 crashed = result.limit_exceeded is wasibox.Limit.MEMORY
+                timed_out = result.limit_exceeded in (wasibox.Limit.TIMEOUT, wasibox.Limit.FUEL)
             elif result.error is not None:
                 note = f"{result.error.type}: {result.error.message}".splitlines()[0]
                 crashed = result.error.type in ("Trap", "RecursionError", "MemoryError")
             else:
                 note = f"exit status {result.exit_code}"
-            outcome = Outcome(note=note[:100], crashed=crashed)
+            outcome = Outcome(note=note[:100], crashed=crashed, timed_out=timed_out)
         outcome.seconds = time.monotonic() - started
         return outcome
 
@@ -425,9 +433,9 @@ class Eryx(Runner):
         self.python, self.lib_test, self.timeout_s = python, lib_test, timeout_s
 
     def run(self, jobs: list[Job]) -> list[Outcome]:
-        request = json.dumps({"lib_test": str(self.lib_test), "timeout_s": self.timeout_s,
-                              "jobs": [[str(index), job.code()] for index, job in
-                                       enumerate(jobs)]})
+        request = json.dumps({"lib_test": str(self.lib_test), "jobs": [
+            [str(index), job.code(), job.timeout_s or self.timeout_s]
+            for index, job in enumerate(jobs)]})
         started = time.monotonic()
         child = subprocess.run([str(self.python), "-c", ERYX_CHILD], input=request,
                                capture_output=True, text=True)
@@ -438,8 +446,9 @@ class Eryx(Runner):
             reply = json.loads(line)
             parsed = parse_report(reply.get("stdout", ""))
             error = str(reply.get("error", "no report"))
+            timed_out = bool(reply.get("timeout"))
             outcomes[int(reply["key"])] = parsed or Outcome(
-                note=error[:100], crashed=not reply.get("timeout"))
+                note=error[:100], crashed=not timed_out, timed_out=timed_out)
         for outcome in outcomes:
             outcome.seconds = seconds
         return outcomes
