@@ -41,7 +41,7 @@ test: prepare microvm
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check wasibox tests bench examples
+	$(BIN)/ruff check wasibox tests bench examples guest
 	$(BIN)/mypy
 
 bench: prepare

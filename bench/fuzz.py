@@ -3,7 +3,8 @@
 For a trivial guest function (``def inc(x: int) -> int: return x + 1``), prints:
 
 1. one ``GuestFunction.run`` per call, no hypothesis (the floor: one fresh instance each);
-2. hypothesis ``@given`` driving one ``run`` per example (target: 300 examples/s);
+2. hypothesis ``@given`` driving one ``run`` per example (target: 300 examples/s), and the
+   same ``@given`` with no run, for hypothesis's own share of an example;
 3. ``wasibox.testing.fuzz``, which runs every example twice (nondeterminism check) and
    targets fuel;
 4. for reference, ``Sandbox.call`` per call;
@@ -86,10 +87,24 @@ def measure(n: int) -> dict[str, float]:
     def one_run(arguments: tuple[int]) -> None:
         inc.run(*arguments)
 
-    started = time.perf_counter()
+    @hypothesis.settings(wt.settings_profiles()["wasibox"], max_examples=n, database=None)
+    @given(inc.strategy())
+    def no_run(arguments: tuple[int]) -> None:
+        pass
+
+    # Where an example's time goes: hypothesis's own share (drawing, bookkeeping), then the
+    # whole example; the CPU is this thread's (the pool's filler works on another).
+    started, cpu = time.perf_counter(), time.thread_time()
+    no_run()
+    alone_cpu = time.thread_time() - cpu
+    rate("hypothesis @given alone (no run)", n, time.perf_counter() - started)
+    started, cpu = time.perf_counter(), time.thread_time()
     one_run()
+    given_cpu = time.thread_time() - cpu
     given_rate = rate("hypothesis @given, one fresh run per example", n,
                       time.perf_counter() - started)
+    print(f"  of an example's CPU on this thread ({given_cpu / n * 1e3:.2f} ms), hypothesis "
+          f"alone {alone_cpu / n * 1e3:.2f} ms")
 
     report = wt.fuzz(TRIVIAL, "inc", max_examples=n)
     fuzz_rate = rate("wt.fuzz (two runs per example, fuel target)", report.examples,

@@ -33,8 +33,8 @@ import time
 
 import wasibox
 from wasibox._progress import silent
-from wasibox._vm_image import ensure_image
 from wasibox.backends import microvm as vm
+from wasibox.backends.microvm.image import ensure_image
 
 NUMPY_CODE = "import numpy as np\na = np.arange(10_000, dtype=np.float64)\nprint(float(a @ a))"
 PYTHON_CODE = "a = [float(i) for i in range(10_000)]\nprint(sum(x * x for x in a))"

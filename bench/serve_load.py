@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from wasibox._config import hash_token
+from wasibox.services.config import hash_token
 
 TOKEN = "bench-load-token"
 #: How long the service must stay quiet before its resources are sampled: the epoch ticker

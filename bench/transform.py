@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import wasibox
-from wasibox._batch import decode_batch_reply, encode_records
+from wasibox._batch import batch_elements, decode_batch_reply, encode_records
 from wasibox._transform import BATCH_REPLY_LIMIT
 
 CODE = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
@@ -116,7 +116,8 @@ def main() -> None:
         outcome = sandbox._execute_batch(CODE, "transform", payload)  # type: ignore[arg-type]
     assert outcome.reply is not None
     _, decode_cpu, _ = median_time(
-        lambda: decode_batch_reply(outcome.reply, len(batch), BATCH_REPLY_LIMIT),  # type: ignore[arg-type]
+        lambda: decode_batch_reply(outcome.reply, len(batch), BATCH_REPLY_LIMIT,  # type: ignore[arg-type]
+                                   batch_elements(limits.memory_bytes, len(batch))),
         args.repeat)
     print(f"  of a {size:,}-record batch: host encode {encode_cpu * 1e3:.0f} ms CPU, guest "
           f"{outcome.duration_s * 1e3:.0f} ms, host decode {decode_cpu * 1e3:.0f} ms CPU")

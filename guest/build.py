@@ -28,12 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-# Either the source checkout (guest/ beside capabilities/) or the copy inside a wheel.
-CAPABILITIES = HERE.parent / "capabilities"
 RUNNER_MODULE = "wasibox_guest"
 FIXED_MTIME = 946684800  # 2000-01-01: any constant works; it only has to be the same
 BUNDLED = ("msgpack", "tzdata")  # pure-Python packages copied into the guest
@@ -72,8 +70,8 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
         # The runner and the guest-side modules beside it (such as the `host` package).
         shutil.copytree(HERE / "runner", app, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
-        for contract in [*sorted((HERE / "wit").glob("*.wit")),
-                         *sorted(CAPABILITIES.glob("*/*.wit"))]:
+        # The world and every capability's contract (guest/wit/), side by side.
+        for contract in sorted((HERE / "wit").glob("*.wit")):
             shutil.copy2(contract, wit / contract.name)
         for package in BUNDLED:
             _copy_pure_package(package, app / package)
@@ -117,7 +115,7 @@ def build(output: Path, progress: Progress = lambda message: None) -> str:
 
 def _source_files() -> list[Path]:
     return [HERE / "build.py", HERE / "pin_entropy.c", *(HERE / "runner").rglob("*.py"),
-            *(HERE / "wit").glob("*.wit"), *CAPABILITIES.glob("*/*.wit")]
+            *(HERE / "wit").glob("*.wit")]
 
 
 def installed_version(dist: str) -> str:

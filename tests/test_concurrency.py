@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from wasibox.backends.base import Job, Outcome, RunControl
 from wasibox.backends.fake import FakeBackend
 from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
 
-from .conftest import open_fds
+from .conftest import PYTHON, RUN_PATHS, child_env, open_fds
 
 pytestmark = pytest.mark.guest
 
@@ -305,6 +306,33 @@ def test_cancellations_leak_no_threads_stores_or_fds() -> None:
     wait_for(lambda: live_stores() - len(pool) <= loose_stores,
              "every store outside the warm pool is released")
     assert open_fds() <= fds
+
+
+@pytest.mark.parametrize("run_path", RUN_PATHS)
+def test_a_process_exits_cleanly_while_the_pool_fills(run_path: str) -> None:
+    # Exiting at once leaves the filler making (and priming) instances and dropping used
+    # ones, all of which call back into Python from inside Wasmtime; the exit must still be
+    # a clean one (a thread ended there during finalization would abort the process).
+    code = ("import wasibox\nsb = wasibox.Sandbox(max_concurrency=8)\n"
+            "for _ in range(3):\n    assert sb.run('print(1)').stdout == '1\\n'\n")
+    for _ in range(3):
+        child = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
+                               timeout=120, env={**child_env(), "WASIBOX_RUN_PATH": run_path},
+                               check=False)
+        assert (child.returncode, child.stderr) == (0, "")
+
+
+def test_the_epoch_ticker_ends_when_idle_and_the_next_run_starts_it_again() -> None:
+    # Runs never wake the ticker; it ticks on for a while after the last run, then ends.
+    # A run after that must start a new one, or it would never reach its deadline.
+    def tickers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "wasibox-epoch"]
+
+    with Sandbox(Limits(timeout_s=0.3, fuel=10**11)) as sb:  # without ticks: fuel, later
+        assert sb.run("while True: pass").limit_exceeded == Limit.TIMEOUT
+        wait_for(lambda: not tickers(), "the idle ticker ends")
+        assert sb.run("while True: pass").limit_exceeded == Limit.TIMEOUT
+        assert tickers()
 
 
 def test_the_warm_pool_is_sized_from_max_concurrency() -> None:

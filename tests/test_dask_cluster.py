@@ -116,6 +116,7 @@ def test_bag_on_two_workers_equals_local_map(client: Any, transform: wasibox.Tra
     assert described(out) == described(local)
     failed = [item for item in out if isinstance(item, wasibox.Failed)]
     assert [f.index for f in failed] == FAILED_AT
+    assert isinstance(failed[6].error, wasibox.LimitExceeded)
     assert failed[6].error.limit is wasibox.Limit.FUEL
     assert str(failed[1].error).startswith("record 10: ")
     # Both workers took part, each with its own runtime.

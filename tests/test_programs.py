@@ -21,7 +21,7 @@ from hypothesis import given, settings
 import wasibox
 
 # vm_runtime: the session's VM runtime (it skips only where QEMU or the image is missing).
-from tests.backends.test_microvm import vm_runtime  # noqa: F401
+from tests.backends.microvm.test_backend import vm_runtime  # noqa: F401
 from tests.conftest import PYTHON, child_env
 from wasibox import Mount, UsageError
 

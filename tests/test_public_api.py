@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
 import wasibox
 
 EXPECTED = {
-    "Busy", "CapabilityEvent", "ConfigError", "EmulationRefused", "Failed", "FileRecord",
-    "GuestBuildError", "GuestError", "GuestException", "HttpPolicy", "Limit", "LimitExceeded",
-    "Limits", "Mount",
-    "RefusedFile", "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed",
-    "Transform", "TransformProgress", "TransformSpec", "UsageError", "WasiboxError",
+    "Busy", "CapabilityEvent", "ConfigError", "EmulationRefused", "Failed", "FailedRecord",
+    "FileRecord", "FunctionRefused", "GuestBuildError", "GuestError", "GuestException",
+    "GuestMismatch", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount", "RefusedFile",
+    "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Transform",
+    "TransformProgress", "TransformSpec", "UsageError", "VMError", "WasiboxError",
     "guest_digest", "run",
 }
 
@@ -27,12 +28,40 @@ def test_exported_names() -> None:
 
 
 def test_error_tree_has_one_root() -> None:
-    for name in ("Busy", "ConfigError", "GuestBuildError", "GuestError", "LimitExceeded",
-                 "SandboxClosed", "UsageError"):
+    for name in ("Busy", "ConfigError", "FunctionRefused", "GuestBuildError", "GuestError",
+                 "GuestMismatch", "LimitExceeded", "SandboxClosed", "UsageError", "VMError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
     assert issubclass(wasibox.ConfigError, wasibox.UsageError)
     assert issubclass(wasibox.EmulationRefused, wasibox.UsageError)
+    assert issubclass(wasibox.FunctionRefused, wasibox.UsageError)
+    assert issubclass(wasibox.GuestMismatch, wasibox.GuestBuildError)
+
+
+def test_error_tree_in_the_docstring_is_the_real_one() -> None:
+    """The tree drawn in ``wasibox._errors`` names every error class, under its real parent."""
+    import wasibox._errors as errors
+
+    tree = (errors.__doc__ or "").split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    drawn: dict[str, str | None] = {}
+    parents: dict[int, str] = {}  # the column a name starts at -> the last name drawn there
+    for line in tree.splitlines():
+        match = re.match(r"^[ │├└─]*([A-Z]\w+) ", line)
+        if match is None:  # the second line of a comment
+            continue
+        name, column = match.group(1), match.start(1)
+        drawn[name] = parents.get(column - 4)
+        parents[column] = name
+    classes = {name: getattr(errors, name) for name in errors.__all__
+               if isinstance(getattr(errors, name), type)}
+    assert set(drawn) == set(classes)
+    for name, parent in drawn.items():
+        expected = (classes[parent],) if parent else (Exception,)
+        assert classes[name].__bases__ == expected, name
+
+
+def test_failed_is_the_old_name_of_failed_record() -> None:
+    assert wasibox.Failed is wasibox.FailedRecord
 
 
 def test_no_wasmtime_type_in_public_signatures() -> None:

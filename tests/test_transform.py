@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import subprocess
@@ -86,7 +87,7 @@ def test_batches_of_same_key_dicts_keep_exact_types_and_key_order() -> None:
                 "a": -(2**31) if i % 2 else 2**31 - 1}
                for i in range(9)]
     # What leaves the guest encodes as UTF-8: its lone surrogates come back as U+FFFD.
-    returned = [{**r, "s": r["s"].replace("\ud800", "\ufffd")} for r in records]
+    returned = [{**r, "s": str(r["s"]).replace("\ud800", "\ufffd")} for r in records]
     with wasibox.Transform(identity) as t:
         out = t.map(records, batch_size=9, progress=False)
     for got, want in zip(out, returned, strict=True):
@@ -220,6 +221,25 @@ def test_progress_callback_sees_every_batch() -> None:
     assert [p.done for p in seen] == [10, 20, 25]
     assert all(p.total == 25 and p.fuel_used > 0 for p in seen)
     assert seen[-1].records_per_s > 0
+
+
+def test_progress_says_when_batches_are_split_and_why() -> None:
+    seen: list[wasibox.TransformProgress] = []
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
+                           on_error="collect") as t:
+        t.map(range(8), batch_size=8, progress=seen.append)
+        t.map(range(3), batch_size=3, progress=seen.append)  # a map that splits nothing
+    # One batch of 8: record 5 runs out of fuel, so 8 -> 4+4 -> 2+2 -> 1+1: three splits.
+    first, second = seen
+    assert (first.split, first.split_reason) == (3, "fuel")
+    assert second.split == 0
+    stream = io.StringIO()
+    wasibox._transform.progress_bar(stream)(first)
+    assert "3 batches split (fuel limit exceeded; a smaller batch_size avoids re-runs)" \
+        in stream.getvalue()
+    stream = io.StringIO()
+    wasibox._transform.progress_bar(stream)(second)
+    assert "split" not in stream.getvalue()
 
 
 def test_fingerprint_is_stable_across_batch_sizes_and_sensitive_to_outputs() -> None:

@@ -11,22 +11,25 @@ from ._errors import (
     Busy,
     ConfigError,
     EmulationRefused,
+    FunctionRefused,
     GuestBuildError,
     GuestError,
+    GuestMismatch,
     LimitExceeded,
     SandboxClosed,
     UsageError,
+    VMError,
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._files import FileRecord, Mount, RefusedFile
+from ._files import Mount
 from ._guest import guest_digest
-from ._http import HttpPolicy
 from ._limits import Limit, Limits
-from ._result import GuestException, RunResult
+from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
-from ._transform import Failed, Transform, TransformProgress, TransformSpec
+from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
+from .capabilities.http import HttpPolicy
 
 __all__ = [
     "Busy",
@@ -34,10 +37,13 @@ __all__ = [
     "ConfigError",
     "EmulationRefused",
     "Failed",
+    "FailedRecord",
     "FileRecord",
+    "FunctionRefused",
     "GuestBuildError",
     "GuestError",
     "GuestException",
+    "GuestMismatch",
     "HttpPolicy",
     "Limit",
     "LimitExceeded",
@@ -53,6 +59,7 @@ __all__ = [
     "TransformProgress",
     "TransformSpec",
     "UsageError",
+    "VMError",
     "WasiboxError",
     "guest_digest",
     "run",

@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from ._errors import EmulationRefused, UsageError, WasiboxError
+from ._errors import EmulationRefused, UsageError, WasiboxError, fuel_advice
 from ._files import Mount, guest_path_for
-from ._limits import FUEL_PER_SECOND, Limit, Limits, fuel_advice
+from ._limits import FUEL_PER_SECOND, Limit, Limits
 from ._terminal import inert
 from ._version import __version__
 
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
                     "parse it: its type, default, bounds and meaning.")
     reference.set_defaults(handler=_cmd_config_reference)
 
-    from ._vm_cli import add_microvm_command
+    from .backends.microvm.cli import add_microvm_command
 
     add_microvm_command(commands)
 
@@ -237,7 +237,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
-    mounts = [_mount(text) for text in args.mount]
+    from ._cli_data import parse_mount
+
+    mounts = [parse_mount(text) for text in args.mount]
     if args.scratch:
         mounts.append(Mount.scratch(args.scratch))
     filename, python_path = None, []
@@ -297,14 +299,6 @@ def _env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _mount(text: str) -> Mount:
-    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
-    host, _, rest = text.partition(":")
-    guest, _, mode = rest.partition(":")
-    if not host or not guest or mode not in ("", "ro", "rw"):
-        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
-    return Mount(host, guest, writable=mode == "rw")
-
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from ._guest import ensure_guest
@@ -322,7 +316,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ._server import serve
+    from .services.serve import serve
 
     try:
         return serve(args.config, args.host, args.port, log_level=args.log_level)
@@ -339,7 +333,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         print(f"wasibox: error: 'wasibox mcp' needs the mcp package ({exc}); "
               "install it with: pip install 'wasibox[mcp]'", file=sys.stderr)
         return EXIT_WASIBOX_ERROR
-    from ._mcp import serve_mcp
+    from .services.mcp import serve_mcp
 
     try:
         return serve_mcp(args.config, tenant=args.tenant, transport=args.transport,
@@ -351,7 +345,7 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from ._config_reference import config_reference
+    from .services.config_reference import config_reference
 
     sys.stdout.write(config_reference())
     return 0
@@ -383,8 +377,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("guest", cached_guest_state()),
         ("kvm", kvm_state),
     ]
-    from ._vm_cli import doctor_rows
     from .backends import wasm
+    from .backends.microvm.cli import doctor_rows
 
     rows += wasm.doctor_rows() + doctor_rows()
     width = max(len(name) for name, _ in rows)

@@ -24,12 +24,14 @@ import msgpack
 
 from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
+from ._files import Mount
 from ._limits import Limits
 from ._select import parse
-from ._transform import BATCH_REPLY_LIMIT
+from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
 
-__all__ = ["FORMATS", "add_commands", "format_of", "read_records", "write_records"]
+__all__ = ["FORMATS", "add_commands", "format_of", "parse_mount", "read_records",
+           "write_records"]
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".msgpack": "msgpack",
            ".mpk": "msgpack"}
@@ -154,7 +156,7 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("output", metavar="OUTPUT", help="where to write ('-' for stdout)")
     transform.add_argument("--entry", default="transform",
                            help="the function to apply (default: %(default)s)")
-    transform.add_argument("--batch-size", type=int, default=1000,
+    transform.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                            help="records per sandbox instance (default: %(default)s)")
     transform.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                            help="stop at the first failed record, or skip failed records "
@@ -206,15 +208,23 @@ def _mount_argument(parser: argparse.ArgumentParser, script: str) -> None:
                              f"the guest's sys.path, so its own modules import; repeatable")
 
 
+def parse_mount(text: str) -> Mount:
+    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
+    host, _, rest = text.partition(":")
+    guest, _, mode = rest.partition(":")
+    if not host or not guest or mode not in ("", "ro", "rw"):
+        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
+    return Mount(host, guest, writable=mode == "rw")
+
+
 def _script_options(path: str, mount_texts: list[str]) -> dict[str, Any]:
     """The Sandbox options of ``--mount``: the mounts, and the script's guest directory
     first on ``sys.path`` (as ``python script.py`` puts it) if a mount shows the script."""
     if not mount_texts:
         return {}
-    from ._cli import _mount
     from ._files import guest_path_for
 
-    mounts = [_mount(text) for text in mount_texts]
+    mounts = [parse_mount(text) for text in mount_texts]
     guest = guest_path_for(path, mounts)
     return {"mounts": mounts,
             "python_path": [guest.rpartition("/")[0] or "/"] if guest is not None else []}

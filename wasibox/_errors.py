@@ -6,11 +6,15 @@
     ├── GuestError                guest code raised (or exited non-zero); carries its traceback
     ├── LimitExceeded             a run hit a limit; ``.limit`` says which, ``.result`` the rest
     ├── GuestBuildError           the guest component could not be built or loaded
+    │   └── GuestMismatch         a dask worker's guest differs from the client's
+    ├── VMError                   a microVM could not be started or snapshotted
     ├── Busy                      max_concurrency runs are active and max_queue more wait
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
         ├── ConfigError           a service configuration file is invalid (names the key)
-        └── EmulationRefused      the microVM would need software emulation, not allowed
+        ├── EmulationRefused      the microVM would need software emulation, not allowed
+        └── FunctionRefused       a transform asked a dask worker for a host function it
+                                  does not allow
 
 ``Sandbox.run`` never raises for what the guest does: a guest exception or an exceeded limit is
 part of its ``RunResult``. ``Sandbox.call`` returns a value, so it raises ``GuestError`` or
@@ -30,12 +34,16 @@ __all__ = [
     "Busy",
     "ConfigError",
     "EmulationRefused",
+    "FunctionRefused",
     "GuestBuildError",
     "GuestError",
+    "GuestMismatch",
     "LimitExceeded",
     "SandboxClosed",
     "UsageError",
+    "VMError",
     "WasiboxError",
+    "fuel_advice",
 ]
 
 
@@ -87,8 +95,22 @@ class EmulationRefused(UsageError):
         return (_rebuilt, (type(self), (self.opt_in,), self.args, self.__dict__))
 
 
+class FunctionRefused(UsageError):
+    """A transform asked a dask worker for a host function its configuration does not allow
+    (``wasibox.dask.WasiboxPlugin(allow_functions=...)``)."""
+
+
 class GuestBuildError(WasiboxError):
     """The guest component could not be built, compiled or loaded."""
+
+
+class GuestMismatch(GuestBuildError):
+    """A worker's guest digest differs from the one the client expects; the worker refuses
+    to run transforms, because its results could differ."""
+
+
+class VMError(WasiboxError):
+    """A microVM could not be started or snapshotted (not something the guest did)."""
 
 
 class Busy(WasiboxError):
@@ -133,6 +155,13 @@ class GuestError(WasiboxError):
                            self.__dict__))
 
 
+def fuel_advice(fuel_used: int) -> str:
+    """The words for a run that ran out of fuel: how much it used and how to give it more."""
+    return (f"the run exceeded its fuel limit (its deterministic CPU budget) after using "
+            f"{fuel_used:,} units; raise it with Limits(fuel=...), --fuel on the command line, "
+            "or limits.fuel in a configuration file")
+
+
 class LimitExceeded(WasiboxError):
     """A run hit one of its limits; ``limit`` names it and ``result`` holds what was kept.
 
@@ -142,8 +171,6 @@ class LimitExceeded(WasiboxError):
     index: int | None = None
 
     def __init__(self, limit: Limit, result: RunResult | None = None) -> None:
-        from ._limits import fuel_advice  # _limits imports this module
-
         self.limit = limit
         self.result = result
         if limit.value == "fuel" and result is not None:

@@ -12,7 +12,7 @@ as ``ENOSPC``/``EDQUOT``, a per-run cap on open files (``EMFILE``), per-run stag
 publish step, refusal of planted links/FIFOs/devices, or an audit of what was written. So the
 guest gets *no* preopens at all, and the guest runner routes ``open``, ``os.*`` and everything
 built on them (pathlib, csv over files, shutil, os.walk, tempfile) through the ``files``
-interface (``capabilities/files/files.wit``); everything here is ordinary host Python, checked
+interface (``guest/wit/files.wit``); everything here is ordinary host Python, checked
 before it touches the disk. Bypassing the guest's Python-level patches reaches nothing: there
 is no WASI directory to reach.
 
@@ -54,7 +54,7 @@ one file, as on a real filesystem. When the run ends **ok** (exit status 0, no e
 limit), :meth:`FileSession.publish` walks the tree without following anything and:
 
 * measures what the tree holds and, if that is over the mount's quotas, publishes nothing
-  (``run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
+  (``_sandbox.run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
   guest writes the tree itself to the same quotas, and trusts no count kept during the run;
 * refuses, and reports in ``RunResult.files_refused``, every symlink, FIFO, device or socket,
   and every file hard-linked to an inode that was not in the mount at the start (the wasm
@@ -108,29 +108,22 @@ import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._control import RunControl, RunState
 from ._errors import UsageError
-from ._limits import Limit, parse_size
-
-if TYPE_CHECKING:
-    from ._result import RunResult
-    from .backends.base import Job
+from ._limits import parse_size
+from ._result import FileRecord, RefusedFile
 
 __all__ = [
     "STAGING_DIR",
     "STAGING_README",
-    "FileRecord",
     "FileSession",
     "FilesError",
     "Mount",
     "QuotaExceeded",
-    "RefusedFile",
     "StatInfo",
     "check_mounts",
     "guest_path_for",
-    "run_with_files",
 ]
 
 #: The directory inside each writable mount that holds its runs' staging trees.
@@ -148,7 +141,7 @@ MAX_DEPTH = 32
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY_CHUNK = 1 << 20
 
-# The bits of the `open` flags parameter (capabilities/files/files.wit).
+# The bits of the `open` flags parameter (guest/wit/files.wit).
 F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
     1 << i for i in range(9))
 
@@ -164,7 +157,7 @@ _ERRNO_NAMES = {
 
 class QuotaExceeded(Exception):
     """A writable mount's staging tree holds more than its quotas allow; nothing of the run
-    is published (``run_with_files`` reports it as the run's ``OSError``)."""
+    is published (``_sandbox.run_with_files`` reports it as the run's ``OSError``)."""
 
 
 class FilesError(Exception):
@@ -239,22 +232,6 @@ class Mount:
         return _lexical_parts(self.guest_path)
 
 
-@dataclasses.dataclass(frozen=True)
-class FileRecord:
-    """A file a run wrote under a writable mount, as published: guest path, size, sha256."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RefusedFile:
-    """An entry of a staging tree that was not published, and why (symlink, FIFO, ...)."""
-
-    path: str
-    reason: str
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StatInfo:
@@ -271,7 +248,7 @@ class StatInfo:
     ctime: int
 
     def encode(self) -> str:
-        """The wire form (capabilities/files/files.wit, ``fstat``)."""
+        """The wire form (guest/wit/files.wit, ``fstat``)."""
         return " ".join(map(str, (_KINDS.index(self.kind), self.mode, self.size, self.ino,
                                   self.dev, self.nlink, self.atime, self.mtime, self.ctime)))
 
@@ -1705,58 +1682,3 @@ def _delete(host_fd: int, item: dict[str, Any]) -> None:
         pass  # gone already, or a directory that is not empty any more
     finally:
         os.close(parent)
-
-
-# -- the run's lifecycle ---------------------------------------------------------------------
-
-def run_with_files(job: Job, execute: Callable[[Job], RunResult],
-                   control: RunControl | None = None) -> RunResult:
-    """Run ``job`` with a file session for its mounts, then publish (if the result is ok)
-    or discard the staging. Without mounts, just runs it.
-
-    With ``control``, a run cancelled before its files are published publishes nothing:
-    its staging is discarded and its result says ``cancelled``. Publishing, once begun, is
-    atomic and completes.
-
-    A run that ends ok but leaves a writable mount over its quotas (possible only for a
-    backend whose guest writes its staging tree itself, such as the microVM's) publishes
-    nothing: its result is not ok, with exit status 1 and an ``OSError`` error saying which
-    quota, ending "nothing was published".
-
-    Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
-    """
-    mounts = job.policy.mounts
-    if not mounts:
-        return execute(job)
-    try:
-        session = FileSession(mounts, job.limits.open_files)
-    except OSError as exc:
-        raise UsageError(f"a mount's host directory cannot be used: {exc.strerror} "
-                         f"({exc.filename})") from None
-    with session:
-        result = execute(dataclasses.replace(job, files=session))
-        if not result.ok:
-            return result
-        if control is not None:
-            control.enter(RunState.PUBLISHING)
-            if control.cancelled:
-                return dataclasses.replace(result, ok=False, exit_code=1,
-                                           limit_exceeded=Limit.CANCELLED)
-        try:
-            records, refused = session.publish()
-        except QuotaExceeded as exc:
-            from ._result import GuestException
-
-            error = GuestException(type="OSError", traceback="",
-                                   message=f"{exc}: nothing was published")
-            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
-        except OSError as exc:
-            # The host's disk is full: a guest can fill it up to its quota when the quota is
-            # larger than the disk. The staging is gone; the run reports it and does not raise.
-            from ._result import GuestException
-
-            error = GuestException(type="OSError", traceback="", message=(
-                f"the run's files could not be published: {exc.strerror or 'host error'}"))
-            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
-    return dataclasses.replace(result, files=records, files_refused=refused)
-

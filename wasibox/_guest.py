@@ -1,6 +1,6 @@
 """The guest artifact: where its sources are, building it once, and caching it.
 
-The guest component is built from ``guest/`` (and the WIT contracts in ``capabilities/``) by
+The guest component is built from ``guest/`` (its WIT contracts are in ``guest/wit/``) by
 ``guest/build.py``, then cached under the user cache directory keyed by a digest of every
 build input. Its sha256 -- ``guest_digest()`` -- names the exact interpreter that runs guest
 code: results, fuel and determinism are promised per digest.

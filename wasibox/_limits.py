@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from ._errors import UsageError
 
-__all__ = ["FUEL_PER_SECOND", "Limit", "Limits", "fuel_advice"]
+__all__ = ["FUEL_PER_SECOND", "Limit", "Limits"]
 
 #: Fuel per second of wall-clock time, used to derive ``fuel`` from ``timeout_s`` when only
 #: the timeout is given. Measured on a loaded 2-core machine (``python bench/fuel_rate.py``),
@@ -65,12 +65,6 @@ def parse_size(value: int | str, name: str) -> int:
         raise UsageError(f"{name} must be positive, not {value!r}")
     return number
 
-
-def fuel_advice(fuel_used: int) -> str:
-    """The words for a run that ran out of fuel: how much it used and how to give it more."""
-    return (f"the run exceeded its fuel limit (its deterministic CPU budget) after using "
-            f"{fuel_used:,} units; raise it with Limits(fuel=...), --fuel on the command line, "
-            "or limits.fuel in a configuration file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, init=False)

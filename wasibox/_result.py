@@ -45,10 +45,9 @@ from ._wire import ProtocolError, decode_reply, max_elements
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from ._files import FileRecord, RefusedFile
 
-__all__ = ["GuestException", "Outcome", "RunResult", "build_result", "clean_text",
-           "clean_value", "json_value"]
+__all__ = ["FileRecord", "GuestException", "Outcome", "RefusedFile", "RunResult", "build_result",
+           "clean_text", "clean_value", "json_value"]
 
 #: A lone surrogate: a code point that a str can hold and UTF-8 cannot encode.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -117,6 +116,23 @@ def _clean_record(record: _Record) -> _Record:
         if isinstance(text, str) and (clean := clean_text(text)) is not text:
             changed[field.name] = clean
     return dataclasses.replace(record, **changed) if changed else record
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """A file a run wrote under a writable mount, as published: guest path, size, sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedFile:
+    """An entry of a staging tree that was not published, and why (symlink, FIFO, ...)."""
+
+    path: str
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

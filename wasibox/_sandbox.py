@@ -9,14 +9,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from ._concurrency import RunHandle, Runner
-from ._control import RunControl
+from ._control import RunControl, RunState
 from ._errors import GuestError, LimitExceeded, SandboxClosed, UsageError
-from ._files import FileSession, Mount, check_mounts, run_with_files
-from ._hostcall import check_functions
-from ._http import HttpPolicy
+from ._files import FileSession, Mount, QuotaExceeded, check_mounts
 from ._limits import Limit, Limits
 from ._result import GuestException, Outcome, RunResult, build_result
 from .backends.base import Backend, Job, Policy
+from .capabilities.hostcall import check_functions
+from .capabilities.http import HttpPolicy
 
 __all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 
@@ -291,7 +291,7 @@ class Sandbox:
         lacking = wasm_lacks(job.code, self.requires)
         if not lacking:
             return self._backend
-        from .backends.microvm import microvm_available, vm_modules
+        from .backends.microvm.backend import microvm_available, vm_modules
 
         if not (microvm_available() and lacking & vm_modules()):
             return self._backend
@@ -378,6 +378,54 @@ def _guest_paths(paths: Sequence[str]) -> tuple[str, ...]:
     return tuple(paths)
 
 
+def run_with_files(job: Job, execute: Callable[[Job], RunResult],
+                   control: RunControl | None = None) -> RunResult:
+    """Run ``job`` with a file session for its mounts, then publish (if the result is ok)
+    or discard the staging. Without mounts, just runs it.
+
+    With ``control``, a run cancelled before its files are published publishes nothing:
+    its staging is discarded and its result says ``cancelled``. Publishing, once begun, is
+    atomic and completes.
+
+    A run that ends ok but leaves a writable mount over its quotas (possible only for a
+    backend whose guest writes its staging tree itself, such as the microVM's) publishes
+    nothing: its result is not ok, with exit status 1 and an ``OSError`` error saying which
+    quota, ending "nothing was published".
+
+    Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
+    """
+    mounts = job.policy.mounts
+    if not mounts:
+        return execute(job)
+    try:
+        session = FileSession(mounts, job.limits.open_files)
+    except OSError as exc:
+        raise UsageError(f"a mount's host directory cannot be used: {exc.strerror} "
+                         f"({exc.filename})") from None
+    with session:
+        result = execute(dataclasses.replace(job, files=session))
+        if not result.ok:
+            return result
+        if control is not None:
+            control.enter(RunState.PUBLISHING)
+            if control.cancelled:
+                return dataclasses.replace(result, ok=False, exit_code=1,
+                                           limit_exceeded=Limit.CANCELLED)
+        try:
+            records, refused = session.publish()
+        except QuotaExceeded as exc:
+            error = GuestException(type="OSError", traceback="",
+                                   message=f"{exc}: nothing was published")
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
+        except OSError as exc:
+            # The host's disk is full: a guest can fill it up to its quota when the quota is
+            # larger than the disk. The staging is gone; the run reports it and does not raise.
+            error = GuestException(type="OSError", traceback="", message=(
+                f"the run's files could not be published: {exc.strerror or 'host error'}"))
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error)
+    return dataclasses.replace(result, files=records, files_refused=refused)
+
+
 def sandbox_for(code: str, limits: Limits | None, **options: Any) -> Sandbox:
     """A Sandbox made to run ``code`` again and again (a Transform's, a fuzzed function's).
 
@@ -414,7 +462,7 @@ def _make_backend(backend: str | Backend, allow_emulation: bool | None = None, *
 
         return WasmBackend(pool_size=pool_size)
     if backend == "microvm":
-        from .backends.microvm import MicroVMBackend
+        from .backends.microvm.backend import MicroVMBackend
 
         return MicroVMBackend(allow_emulation=allow_emulation)
     raise UsageError("backend must be 'auto', 'wasm', 'microvm' or a Backend instance, "

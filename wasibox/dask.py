@@ -30,9 +30,9 @@ from dask.delayed import Delayed, delayed
 from dask.sizeof import sizeof
 from distributed import Client, WorkerPlugin
 
-from ._errors import GuestBuildError, UsageError
+from ._errors import FunctionRefused, GuestMismatch, UsageError
 from ._guest import guest_digest
-from ._transform import Failed, OnError, Transform, TransformSpec, _canonical, _check_on_error
+from ._transform import FailedRecord, OnError, Transform, TransformSpec, _canonical, _check_on_error
 
 __all__ = [
     "FunctionRefused",
@@ -48,17 +48,8 @@ __all__ = [
 #: import paths), in addition to its plugin's ``allow_functions``.
 ALLOW_ENV = "WASIBOX_DASK_ALLOW_FUNCTIONS"
 
-#: The column of a DataFrame result that holds each failed row's ``wasibox.Failed``.
+#: The column of a DataFrame result that holds each failed row's ``wasibox.FailedRecord``.
 FAILED_COLUMN = "failed"
-
-
-class GuestMismatch(GuestBuildError):
-    """A worker's guest digest differs from the one the client expects; the worker refuses
-    to run transforms, because its results could differ."""
-
-
-class FunctionRefused(UsageError):
-    """A transform asked a worker for a host function its configuration does not allow."""
 
 
 # -- the per-worker runtime ---------------------------------------------------------------------
@@ -214,7 +205,7 @@ class _Outputs:
 
 def _run_partition(spec: dict[str, Any], functions: dict[str, str], digest: str,
                    records: Iterable[Any]) -> _Outputs:
-    """Outputs (Failed in place of failures, numbered from 0) for one partition; runs on a
+    """Outputs (FailedRecord in place of failures, numbered from 0) for one partition; runs on a
     worker, which refuses if its guest is not ``digest`` (the client's), plugin or not.
 
     It does not wait for the partition's global offset (which needs every partition's
@@ -234,7 +225,7 @@ def _renumber(items: _Outputs, start: int) -> _Outputs:
         return items
     moved = []
     for item in items:
-        if isinstance(item, Failed):
+        if isinstance(item, FailedRecord):
             # A copy: the partition's own outputs stay as they were, should dask run this
             # step again on them.
             error, index = copy.copy(item.error), item.index + start
@@ -242,7 +233,7 @@ def _renumber(items: _Outputs, start: int) -> _Outputs:
             message = message.removeprefix(f"record {item.index}: ")
             error.index = index
             error.args = (f"record {index}: {message}",)
-            item = Failed(index, error)
+            item = FailedRecord(index, error)
         moved.append(item)
     return _Outputs(moved)
 
@@ -255,21 +246,21 @@ def _offsets(*lengths: int) -> list[int]:
     return starts
 
 
-def _first_failure(part: _Outputs) -> Failed | None:
-    return next((item for item in part if isinstance(item, Failed)), None)
+def _first_failure(part: _Outputs) -> FailedRecord | None:
+    return next((item for item in part if isinstance(item, FailedRecord)), None)
 
 
-def _earliest(*firsts: Failed | None) -> Failed | None:
+def _earliest(*firsts: FailedRecord | None) -> FailedRecord | None:
     return next((first for first in firsts if first is not None), None)
 
 
-def _finish(part: _Outputs, policy: OnError, first: Failed | None) -> list[Any]:
+def _finish(part: _Outputs, policy: OnError, first: FailedRecord | None) -> list[Any]:
     if policy == "raise":
         if first is not None:
             raise first.error
         return part.items
     if policy == "skip":
-        return [item for item in part if not isinstance(item, Failed)]
+        return [item for item in part if not isinstance(item, FailedRecord)]
     return part.items
 
 
@@ -281,13 +272,13 @@ def _rows(frame: Any) -> _Outputs:
     return _Outputs(frame.to_dict("records"))
 
 
-def _frame(items: _Outputs, start: int, policy: OnError, first: Failed | None,
+def _frame(items: _Outputs, start: int, policy: OnError, first: FailedRecord | None,
            columns: list[str] | None) -> Any:
     """A pandas DataFrame of one partition's output rows, indexed by global record index.
 
     Every partition gets exactly ``columns`` (in that order; None: the keys of its rows, in
     order of first appearance), then, under ``"collect"``, a ``failed`` column holding each
-    failed row's ``wasibox.Failed`` (None for the others). A row key outside ``columns``
+    failed row's ``wasibox.FailedRecord`` (None for the others). A row key outside ``columns``
     raises UsageError: its column would be missing from the result's other partitions.
     """
     import pandas
@@ -296,9 +287,9 @@ def _frame(items: _Outputs, start: int, policy: OnError, first: Failed | None,
         raise first.error
     rows: list[dict[str, Any]] = []
     labels: list[int] = []
-    failures: list[Failed | None] = []
+    failures: list[FailedRecord | None] = []
     for offset, item in enumerate(items):
-        if isinstance(item, Failed):
+        if isinstance(item, FailedRecord):
             if policy == "skip":
                 continue
             rows.append({})
@@ -373,7 +364,7 @@ def map_partitions(transform: Transform, collection: Any, *, on_error: OnError |
     columns are those of ``meta`` (an empty pandas DataFrame) or, without ``meta``, the keys
     of the first partition's output rows in order (that partition runs once now to find
     them); under ``"collect"`` a last ``failed`` column holds each failed row's
-    ``wasibox.Failed`` (None elsewhere).
+    ``wasibox.FailedRecord`` (None elsewhere).
     ``functions`` maps guest-visible names to import paths (``"module:function"``) that
     every worker must allow. Failures carry global indexes; under ``"raise"`` computing
     raises the failure with the lowest index. Raises UsageError for bad arguments.
@@ -409,7 +400,7 @@ def _dataframe(ran: list[Delayed], starts: list[Delayed], policy: OnError,
               for part, start in zip(ran, starts, strict=True)]
     # Partitions may differ in dtype (an int column with a failed row is float): pandas
     # upcasts when they are concatenated, as it does for one frame of all the rows. Object
-    # columns stay objects: dask would turn them into strings, the Failed ones included.
+    # columns stay objects: dask would turn them into strings, the FailedRecord ones included.
     with dask.config.set({"dataframe.convert-string": False}):
         return dd.from_delayed(frames, meta=meta, verify_meta=False)
 

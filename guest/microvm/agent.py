@@ -61,6 +61,7 @@ import types
 
 import msgpack
 
+# isort: split
 # Imported now, before the template snapshot, so a run never pays for them.
 import asyncio  # noqa: F401
 import collections  # noqa: F401
@@ -170,7 +171,7 @@ def _describe(exc):
     return {"type": type(exc).__name__, "message": message, "traceback": text}
 
 
-def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
+def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):  # noqa: B008
     # Bound as defaults: clearing the namespace removes every builtin name until update runs.
     namespace.clear()
     namespace.update(pristine)

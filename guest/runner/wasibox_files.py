@@ -5,7 +5,7 @@ pre-init, ``install()`` replaces ``builtins.open``, ``io.open``, ``io.open_code`
 ``io.FileIO`` (and the same names in ``_io``), ``tokenize.open``'s reader, and the ``os``
 functions that Python code (and pathlib, shutil, os.walk, glob, tempfile, csv over files)
 builds on, in both ``os`` and ``posix`` (which importlib and linecache call directly), with
-versions that ask the host, through ``capabilities/files/files.wit``. So the import system
+versions that ask the host, through ``guest/wit/files.wit``. So the import system
 (modules and packages on ``sys.path``, ``importlib.resources``, ``runpy``), tracebacks and
 every Python-level reader see one view of the mounts, under one confinement. The host decides
 everything: which paths exist, what may change, quotas. Replacing these functions back (or
@@ -34,14 +34,14 @@ from wit_world.imports import files as _files
 
 __all__ = ["install", "finish"]
 
-# The bits of the `open` flags parameter (capabilities/files/files.wit).
+# The bits of the `open` flags parameter (guest/wit/files.wit).
 _F_READ, _F_WRITE, _F_CREATE, _F_EXCL, _F_TRUNC, _F_APPEND, _F_DIRECTORY, _F_NOFOLLOW, _F_NOTDIR = (
     1 << i for i in range(9))
 _BUFFER_SIZE = 1 << 16  # bigger than io's default: each refill is a host call
 _READ_ALL_CHUNK = 1 << 20
 
 _ERRNO = {code: getattr(errno, "E" + code.name) for code in _files.ErrorCode}
-# Index = the `kind` field of a stat string (capabilities/files/files.wit).
+# Index = the `kind` field of a stat string (guest/wit/files.wit).
 _KIND_BITS = (_stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK, 0)
 _SYMLINK, _DIRECTORY = 2, 1
 _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}

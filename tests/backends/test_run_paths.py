@@ -8,6 +8,9 @@ runs on both paths; stdout, stderr, the outcome, the value and ``fuel_used`` mus
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wasibox
-from tests.conftest import run_path_backend
+from tests.conftest import PYTHON, child_env, run_path_backend
 from wasibox.backends import _native, wasm
 from wasibox.backends.base import Job, Policy
 from wasibox.backends.wasm import WasmBackend, runtime
@@ -137,3 +140,36 @@ def test_where_the_extension_is_unavailable_the_python_path_runs(
         assert sb.run("print(1+1)").stdout == "2\n"
     with pytest.raises(wasibox.UsageError, match="no C compiler found"):
         wasm.WasmRuntime(pool_size=0, run_path="native")
+
+
+#: A child that imports wasmtime from another directory, loads the cached extension, and traps.
+_OTHER_COPY_CHILD = """
+import wasibox, wasmtime
+from wasibox.backends.wasm import runtime
+assert runtime().run_path == "native", runtime().native.reason
+with wasibox.Sandbox() as sb:
+    result = sb.run("while True: pass", limits={"fuel": 10**7})
+libraries = {line.split()[4] for line in open("/proc/self/maps") if "_libwasmtime" in line}
+print(wasmtime.__file__, result.ok, result.fuel_used, len(libraries))
+"""
+
+
+def test_the_extension_binds_to_the_library_of_whichever_environment_loads_it(
+        tmp_path: Path) -> None:
+    """The cache is shared by every environment of a user, so an extension built in one must
+    call the library of another that loads it. Linked by an rpath to the first, it loaded a
+    second copy of Wasmtime there, and the first trap aborted the process (a Wasmtime panic)."""
+    if runtime().native.module is None:
+        pytest.skip(f"the native run path is unavailable: {runtime().native.reason}")
+    import wasmtime  # noqa: PLC0415 - only its location is wanted
+    other = tmp_path / "other-environment"
+    shutil.copytree(Path(wasmtime.__file__).parent, other / "wasmtime")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(other), env["PYTHONPATH"]])
+    env[wasm.RUN_PATH_ENV] = "native"
+    done = subprocess.run([PYTHON, "-c", _OTHER_COPY_CHILD], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    module, ok, fuel_used, copies = done.stdout.split()
+    assert module.startswith(str(other)), "the child must use the other copy of wasmtime"
+    assert (ok, fuel_used, copies) == ("False", str(10**7), "1")

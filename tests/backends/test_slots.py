@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import wasmtime
 
+from wasibox._guest import file_sha256
 from wasibox.backends import _slots
 from wasibox.backends.wasm import runtime
 
@@ -35,4 +36,4 @@ def test_the_library_digest_is_cached_and_correct(tmp_path, monkeypatch) -> None
     monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
     first = _slots.library_sha256()
     assert (tmp_path / "wasmtime-library.json").is_file()
-    assert _slots.library_sha256() == first == _slots.file_sha256(_slots.library_path())
+    assert _slots.library_sha256() == first == file_sha256(_slots.library_path())

@@ -85,7 +85,7 @@ def test_a_non_int_exit_code_is_printed_as_cpython_does(sandbox: wasibox.Sandbox
 
 @pytest.fixture(scope="module")
 def vm() -> Iterator[wasibox.Sandbox]:
-    from wasibox._vm_image import cached_image_state
+    from wasibox.backends.microvm.image import cached_image_state
 
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("QEMU is not installed (apt-get install qemu-system-x86)")

@@ -5,7 +5,7 @@ descriptors, live threads) before a case; ``host.assert_unaffected(sandbox)`` th
 after the case, that
 
 * the next benign run in the same sandbox succeeds,
-* the host's resident memory is back within ``RSS_SLACK_BYTES`` of the baseline,
+* the host's private resident memory is back within ``RSS_SLACK_BYTES`` of the baseline,
 * no file descriptor was leaked, and
 * no thread was left behind: neither a Python thread (wasibox's own service threads may
   come and go, but never more of them than at the baseline) nor a native one (wasmtime's
@@ -40,14 +40,20 @@ WARM_UP = "import os\nos.write(1, b'')\nprint(sum(range(10)))"
 #: How long to wait for wasmtime's idle I/O worker threads to exit before calling them leaked.
 NATIVE_THREAD_GRACE_S = 15.0
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
 
 def rss_bytes() -> int:
-    """The host's resident set size now (not its peak), after a garbage collection."""
+    """The host's private resident memory now (not its peak), after a garbage collection.
+
+    Pages of mapped files do not count: each memory slot the instance pool opens maps the
+    compiled guest's image and reads it in once (see ``backends/_slots.py``), and those pages
+    are the kernel's page cache, shared by every slot, not memory the host holds on to.
+    """
     gc.collect()
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * _PAGE
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("/proc/self/status has no RssAnon line")
 
 
 def open_fds() -> set[int]:

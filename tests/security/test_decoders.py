@@ -31,7 +31,6 @@ from hypothesis import strategies as st
 import wasibox
 from wasibox import Limit
 from wasibox._batch import batch_elements, decode_batch_reply
-from wasibox._hostcall import HostCalls, StopRun
 from wasibox._wire import (
     MAX_DEPTH,
     MIN_ELEMENTS,
@@ -41,7 +40,8 @@ from wasibox._wire import (
     max_elements,
     unpack,
 )
-from wasibox.backends.microvm import MAX_FRAME_ELEMENTS, Channel
+from wasibox.backends.microvm.backend import MAX_FRAME_ELEMENTS, Channel
+from wasibox.capabilities.hostcall import HostCalls, StopRun
 
 pytestmark = pytest.mark.guest
 

@@ -1,4 +1,4 @@
-"""Host functions under attack, beyond tests/test_hostcall.py (which covers malformed
+"""Host functions under attack, beyond tests/capabilities/test_hostcall.py (which covers malformed
 payloads, length lies, depth bombs, names and the call limits): functions that raise
 BaseException, call floods and oversized payloads measured against the host's memory, and
 blocking functions abandoned by timed-out runs.
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import wasibox
+from tests.capabilities.test_hostcall import RAW_CHANNEL
 from tests.security.conftest import HostBaseline, run_in_child_host, take_baseline
-from tests.test_hostcall import RAW_CHANNEL
 from wasibox import Limit
 
 pytestmark = pytest.mark.guest

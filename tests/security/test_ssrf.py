@@ -23,7 +23,7 @@ import pytest
 
 import wasibox
 from tests.security.conftest import HostBaseline, take_baseline
-from wasibox._hostcall import DENIED_MESSAGE
+from wasibox.capabilities.hostcall import DENIED_MESSAGE
 
 pytestmark = pytest.mark.guest
 

@@ -31,13 +31,12 @@ from hypothesis import strategies as st
 
 import wasibox
 import wasibox.testing
-from wasibox._config import hash_token
 from wasibox._events import CapabilityEvent
-from wasibox._files import FileRecord, RefusedFile
-from wasibox._result import GuestException, RunResult, json_value
+from wasibox._result import FileRecord, GuestException, RefusedFile, RunResult, json_value
+from wasibox.services.config import hash_token
 
 from ..conftest import PYTHON, child_env
-from ..test_server import TOKENS, Server
+from ..services.test_serve import TOKENS, Server
 
 pytestmark = pytest.mark.guest
 T = TypeVar("T")
@@ -325,7 +324,7 @@ def test_serve_takes_code_with_lone_surrogates_and_huge_lines(serve: Server,
 
 def test_serve_documents_the_one_json_form(sb: wasibox.Sandbox) -> None:
     # The schema /openapi.json publishes has exactly the fields of the form every path writes.
-    from wasibox._server import RunResultModel
+    from wasibox.services.serve import RunResultModel
 
     assert set(RunResultModel.model_fields) == set(sb.run("print(1)").to_dict())
 
@@ -387,7 +386,7 @@ def mcp(request: pytest.FixtureRequest,
     pytest.importorskip("mcp", reason="the mcp package (the 'mcp' extra) is not installed")
     from mcp import Client, StdioServerParameters
 
-    from ..test_mcp import http_client, http_server
+    from ..services.test_mcp import http_client, http_server
 
     root = tmp_path_factory.mktemp(f"mcp-text-{request.param}")
     config = root / "agent.toml"

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._control import RunControl
-from .._http import HttpPolicy
 from .._limits import Limits
 from .._result import Outcome
+from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
     from .._files import FileSession, Mount
@@ -33,7 +33,8 @@ class Policy:
     grants the host's OS entropy.
     ``functions`` are the host functions the guest may call by name, and ``http`` the policy
     of its mediated HTTP client (None: no HTTP); every backend carries both over its own
-    channel to the same host-side code (``wasibox/_hostcall.py``, ``wasibox/_http.py``).
+    channel to the same host-side code (``wasibox/capabilities/hostcall.py``,
+    ``wasibox/capabilities/http.py``).
     """
 
     seed: int = 0

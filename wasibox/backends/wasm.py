@@ -20,7 +20,8 @@ This is the only module that imports ``wasmtime``. It owns:
   wasmtime's own, so a guest sees only the virtual clock and seeded entropy unless the
   policy grants the real ones, and so no WASI call can block past the deadline;
 * the wiring of the host-call channel (host functions and mediated HTTP). Its checks and
-  policy live in ``wasibox/_hostcall.py`` and ``wasibox/_http.py``, shared by every backend.
+  policy live in ``capabilities/hostcall.py`` and ``capabilities/http.py``, shared by every
+  backend.
 
 Two run paths give the same behaviour: the *native* one (the default where it can be built)
 makes the guest call and serves the host functions every run uses in C, with the GIL
@@ -34,8 +35,10 @@ Wasmtime's own errors are converted to wasibox results in one place, ``_classify
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -59,12 +62,12 @@ from .._errors import GuestBuildError, UsageError
 from .._events import CapabilityEvent
 from .._files import FilesError, FileSession, StatInfo
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
-from .._hostcall import HostCalls, StopRun
-from .._http import HttpGate
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request, max_elements
+from ..capabilities.hostcall import HostCalls, StopRun
+from ..capabilities.http import HttpGate
 from ._native import NativeBuild
 from ._native import load as load_native
 from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
@@ -76,6 +79,8 @@ __all__ = ["WasmBackend", "WasmRuntime", "doctor_rows", "runtime"]
 WASMTIME_VERSION = installed_version("wasmtime")
 WASI_VERSION = "0.2.9"  # the WASI interfaces componentize-py 0.25's guest imports
 EPOCH_TICK_S = 0.01
+#: How long the epoch ticker goes on ticking after the last run ended (see _Ticker).
+TICKER_IDLE_S = 1.0
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
 MAX_WASM_STACK = 1 << 20
@@ -116,6 +121,8 @@ ENGINE_SETTINGS: dict[str, Any] = {
 }
 #: The most instances a runtime keeps warm, however large a Sandbox's max_concurrency.
 MAX_POOL_SIZE = 64
+#: The most used instances waiting for the filler to drop them; past it, runs drop their own.
+MAX_DISCARDS = 4
 _INSTANTIATION_FUEL = 10**12  # instantiating the snapshot runs no guest code; fuel is reset
 #: Compiled programs kept per WasmBackend (so per Sandbox): source plus marshalled code.
 COMPILE_CACHE_BYTES = 32 * 2**20
@@ -125,11 +132,12 @@ MAX_COMPILED_BYTES = 8 * 2**20
 COMPILER_RECYCLE_AFTER = 1000
 #: ... and as soon as its heap has grown past this, since linear memory never shrinks.
 COMPILER_HEAP_BYTES = 64 * 2**20
-#: What every instance runs before it serves a run: the paths a typical run takes (compile,
-#: exec, print, call, return a value), so that their pages are already copied.
+#: What every instance runs before it serves a run: the paths a typical run takes (load the
+#: compiled program, exec, print, call, return a value), so that their pages are already
+#: copied. Its code is compiled once per runtime, in a guest (see ``_priming_request``):
+#: compiling it in every instance cost a third of a fresh instance's CPU.
 PRIMING_JOB = Job(op="call", code="def prime():\n    print('wasibox')\n    return [1]",
                   entry="prime", limits=Limits(), policy=Policy())
-_PRIMING_REQUEST = encode_request(PRIMING_JOB.request())
 
 
 class _Run:
@@ -239,7 +247,7 @@ class _Run:
 
     # -- host functions and HTTP ---------------------------------------------------------
     def host_call(self, name: str, payload: str) -> cm.Variant:
-        """One call through the host channel (capabilities/host/host.wit)."""
+        """One call through the host channel (guest/wit/host.wit)."""
         if self.host_calls is None:
             policy = self.job.policy
             self.host_calls = HostCalls(
@@ -551,36 +559,45 @@ _ON_EPOCH_DEADLINE = _DeadlineCallback(_on_epoch_deadline)  # kept alive for the
 
 
 class _Ticker:
-    """Advances the engine's epoch every EPOCH_TICK_S while at least one run is active."""
+    """Advances the engine's epoch every EPOCH_TICK_S while runs are active, and for
+    TICKER_IDLE_S after the last one ended.
+
+    A run never wakes the ticker: it only counts itself in. Waking a waiting thread at the
+    start of every run (a condition notify) handed it the GIL just as the run made its own
+    ctypes calls, which then waited for the GIL back: ~0.5 ms of a 1 ms warm run on a busy
+    machine. Ticking on through idle moments costs one short wake-up per tick instead, off
+    any run's path; after TICKER_IDLE_S with no run the thread ends, and the next run
+    starts another.
+    """
 
     def __init__(self, engine: wasmtime.Engine) -> None:
         self._engine = engine
         self._active = 0
-        self._cond = threading.Condition()
+        self._last_exit = 0.0
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="wasibox-epoch",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
 
     def __exit__(self, *exc_info: object) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
+            self._last_exit = time.monotonic()
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                # Idle for a while with no runs: let the thread end; the next run restarts it.
-                if not self._cond.wait_for(lambda: self._active > 0, timeout=1.0):
-                    self._thread = None
-                    return
             time.sleep(EPOCH_TICK_S)
             self._engine.increment_epoch()
+            with self._lock:
+                if self._active == 0 and time.monotonic() - self._last_exit > TICKER_IDLE_S:
+                    self._thread = None
+                    return
 
 
 class WasmRuntime:
@@ -622,19 +639,30 @@ class WasmRuntime:
         self.linker.add_wasip2()
         _define_host(self.linker)
         self.ticker = _Ticker(self.engine)
+        self._priming_request = _priming_request(self)
+        _runtimes.add(self)
         self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
         self._pool_size = pool_size
         self._base_pool_size = pool_size
         self._pool_requests: dict[object, int] = {}
+        #: Used instances the filler drops (see ``release``).
+        self._discards: collections.deque[object] = collections.deque()
         self._pool_cond = threading.Condition()
         self._filler: threading.Thread | None = None
         self._closed = False
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
                     ) -> tuple[wasmtime.Store, Any]:
-        """A fresh store and instance of the guest for ``run_path`` (by default this
+        """A fresh, primed store and instance of the guest for ``run_path`` (by default this
         runtime's), and its ``execute`` export."""
         native = self.native.module if (run_path or self.run_path) == "native" else None
+        store, execute = self._new_instance(native)
+        _prime(store, execute, native, self._priming_request)
+        return store, execute
+
+    def _new_instance(self, native: ModuleType | None) -> tuple[wasmtime.Store, Any]:
+        """A fresh store and instance (not primed) for the native path if ``native``, else
+        for the Python path; raises GuestBuildError if the guest exports no ``execute``."""
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
         store = wasmtime.Store(self.engine)
@@ -654,14 +682,13 @@ class WasmRuntime:
                                   "rebuild it with `wasibox prepare`")
         if native is not None:
             native.arm(_address(store.ptr()))  # the epoch deadline, decided in C
-        _prime(store, execute, native)
         return store, execute
 
     def take(self) -> tuple[wasmtime.Store, Any]:
         """A pre-made instance if one is ready, else a new one.
 
         Taking a pre-made instance does not start its replacement: the caller calls
-        ``refill`` once its run is over. Making an instance takes several milliseconds of
+        ``release`` once its run is over. Making an instance takes several milliseconds of
         CPU and of the GIL, which the run would otherwise compete for (every ctypes call and
         host callback of the run waits for the GIL): that doubled the p90 latency of a run.
         """
@@ -672,10 +699,20 @@ class WasmRuntime:
             self._start_filler()
         return self.instantiate()
 
-    def refill(self) -> None:
-        """Top the pool up in the background (after a run that took from it)."""
+    def release(self, used: list[object]) -> None:
+        """Hand a finished run's instance (``used`` holds everything that refers to its
+        store; it is emptied) to the filler thread to drop, and top the pool up.
+
+        Dropping a store resets the memory its instance dirtied, ~1 ms: on the filler, that
+        is off the path of the next run, which a caller running back to back (fuzzing, a
+        transform's batches) is already waiting to start. Without a pool, or when the
+        filler is MAX_DISCARDS behind, the store is dropped here, as the caller returns.
+        """
         with self._pool_cond:
-            if len(self._pool) < self._pool_size:
+            if self._pool_size > 0 and not self._closed and len(self._discards) < MAX_DISCARDS:
+                self._discards.append(tuple(used))
+                used.clear()
+            if self._discards or len(self._pool) < self._pool_size:
                 self._pool_cond.notify()
                 self._start_filler()
 
@@ -715,28 +752,73 @@ class WasmRuntime:
         while True:
             with self._pool_cond:
                 if not self._pool_cond.wait_for(
-                        lambda: self._closed or len(self._pool) < self._pool_size, timeout=5.0):
+                        lambda: (self._closed or bool(self._discards)
+                                 or len(self._pool) < self._pool_size), timeout=5.0):
                     self._filler = None
                     return
                 if self._closed:
                     return
+                used = list(self._discards)
+                self._discards.clear()
+                wanted = len(self._pool) < self._pool_size
+            # Dropped first, outside the lock: the next instance can then reuse the slot.
+            del used
+            if not wanted:
+                continue
             slot = self.instantiate()
             with self._pool_cond:
                 if self._closed:
                     return
                 self._pool.append(slot)
 
-    def close(self) -> None:
+    def close(self, *, wait_s: float = 0.0) -> None:
+        """Drop the pool and stop the filler; wait up to ``wait_s`` for it to end."""
         with self._pool_cond:
             self._closed = True
             self._pool.clear()
+            self._discards.clear()
             self._pool_cond.notify_all()
+            filler = self._filler
+        if filler is not None and filler is not threading.current_thread():
+            filler.join(wait_s)
 
 
-def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None) -> None:
-    """Run ``PRIMING_JOB`` in a new instance; its output and reply are dropped."""
+#: Every runtime made in this process, for ``_stop_fillers``.
+_runtimes: weakref.WeakSet[WasmRuntime] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_fillers() -> None:
+    """Stop every pool filler before the interpreter finalizes.
+
+    During finalization CPython ends a daemon thread that takes the GIL with pthread_exit.
+    The filler makes, primes and drops instances, and inside Wasmtime those call back into
+    Python (host functions, wasmtime-py's output callbacks and their finalizers): ended
+    there, the thread would unwind through Wasmtime's Rust frames, which aborts the process.
+    """
+    for each in list(_runtimes):
+        each.close(wait_s=5.0)
+
+
+def _priming_request(runtime_: WasmRuntime) -> str:
+    """The request every instance of ``runtime_`` is primed with: ``PRIMING_JOB`` with its
+    code compiled, in a fresh instance of the guest made for that alone (the marshalled code
+    is data a guest made, and only guests load it). Should that compile fail, the source
+    alone: every instance is still primed the same way."""
+    fields = PRIMING_JOB.request()
+    store, execute = runtime_._new_instance(None)
+    compiled, _ = _compile_in(runtime_, store, execute, PRIMING_JOB)
+    if compiled is not None:
+        fields["compiled"] = compiled
+    return encode_request(fields)
+
+
+def _prime(store: wasmtime.Store, execute: Any, native: ModuleType | None,
+           request: str) -> None:
+    """Run ``PRIMING_JOB`` (``request``) in a new instance; its output and reply are
+    dropped."""
     run = _Run(PRIMING_JOB, store) if native is None else _NativeRun(PRIMING_JOB, store, native)
-    call_with_stack(lambda: _call_guest(run, execute, _PRIMING_REQUEST), MIN_HOST_STACK)
+    call_with_stack(lambda: _call_guest(run, execute, request), MIN_HOST_STACK)
 
 
 _runtime: WasmRuntime | None = None
@@ -852,7 +934,8 @@ class WasmBackend(Backend):
             try:
                 if run.cancelled:  # cancelled while instantiating: skip the guest entirely
                     run.stop(Limit.CANCELLED)
-                reply = call_with_stack(lambda: _call_guest(run, execute, request),
+                # Not a closure: the store must be dropped by whoever ``release`` hands it to.
+                reply = call_with_stack(functools.partial(_call_guest, run, execute, request),
                                         MIN_HOST_STACK)
             except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
                 exit_code = _classify(run, store, exc)
@@ -878,7 +961,10 @@ class WasmBackend(Backend):
             duration_s=duration,
             capability_log=tuple(run.log),
         )
-        rt.refill()  # last: making an instance would slow this run's remaining ctypes calls
+        used: list[object] = [store, execute, run]
+        del store, execute, run
+        # Last: making an instance would slow this run's remaining ctypes calls.
+        rt.release(used)
         return outcome
 
 
@@ -928,28 +1014,11 @@ class _Compiler:
             self._instance, self._compiles = self._runtime.instantiate("python"), 0
         store, execute = self._instance
         self._compiles += 1
-        run = _Run(job, store)  # for its limits; compiling writes no output
-        request = encode_request({"op": "compile", "code": job.code, "seed": 0,
-                                  **({"filename": job.filename}
-                                     if job.filename != "<sandbox>" else {})})
-        store.set_fuel(job.limits.fuel)
-        store.set_limits(memory_size=job.limits.memory_bytes)
-        with self._runtime.ticker:
-            store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
-            try:
-                # Compiling a hostile source recurses too: the same stack rule as a run.
-                text = call_with_stack(lambda: _call_guest(run, execute, request),
-                                       MIN_HOST_STACK)
-                reply = decode_reply(text or "", MAX_COMPILED_BYTES,
-                                     max_elements(job.limits.memory_bytes))
-            except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
-                self._instance = None  # an instance that trapped is never used again
-                return None
-        if reply.heap_top > COMPILER_HEAP_BYTES:
-            self._instance = None  # linear memory never shrinks: start afresh
-        if reply.error is not None or type(reply.value) is not bytes:
-            return None
-        return reply.value
+        compiled, reusable = _compile_in(self._runtime, store, execute, job)
+        if not reusable:
+            self._instance = None
+        return compiled
+
 
     def close(self) -> None:
         """Drop the compiler instance and the cache, for good: a run still finishing after
@@ -969,6 +1038,36 @@ class _Compiler:
         while self._cache_bytes > COMPILE_CACHE_BYTES:
             (old_name, old_code), old_compiled = self._cache.popitem(last=False)
             self._cache_bytes -= len(old_name) + len(old_code) + len(old_compiled)
+def _compile_in(runtime_: WasmRuntime, store: wasmtime.Store, execute: Any,
+                job: Job) -> tuple[bytes | None, bool]:
+    """Compile ``job.code`` in the Python-path instance ``execute``, under ``job.limits``.
+
+    Returns the marshalled code object (None if it does not compile), and whether the
+    instance may compile again: not after a trap, nor once its heap has grown past
+    COMPILER_HEAP_BYTES (linear memory never shrinks). Never raises for the guest's doing.
+    """
+    run = _Run(job, store)  # for its limits; compiling writes no output
+    request = encode_request({"op": "compile", "code": job.code, "seed": 0,
+                              **({"filename": job.filename}
+                                 if job.filename != "<sandbox>" else {})})
+    store.set_fuel(job.limits.fuel)
+    store.set_limits(memory_size=job.limits.memory_bytes)
+    with runtime_.ticker:
+        store.set_epoch_deadline(math.ceil(job.limits.timeout_s / EPOCH_TICK_S) + 1)
+        try:
+            # Compiling a hostile source recurses too: the same stack rule as a run.
+            text = call_with_stack(lambda: _call_guest(run, execute, request),
+                                   MIN_HOST_STACK)
+            reply = decode_reply(text or "", MAX_COMPILED_BYTES,
+                                 max_elements(job.limits.memory_bytes))
+        except (wasmtime.WasmtimeError, wasmtime.Trap, ProtocolError):
+            return None, False  # an instance that trapped is never used again
+    reusable = reply.heap_top <= COMPILER_HEAP_BYTES
+    if reply.error is not None or type(reply.value) is not bytes:
+        return None, reusable
+    return reply.value, reusable
+
+
 def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
 

@@ -7,7 +7,7 @@ Inside the sandbox::
     host.call("lookup", 42)          # the same, for names that are not identifiers
     host.http.request("GET", "https://api.example.com/v1/items")
 
-Every call crosses to the host through one channel (capabilities/host/host.wit): the host
+Every call crosses to the host through one channel (guest/wit/host.wit): the host
 checks the name, the size and the shape of the payload, and the call limits, then answers.
 
 Exceptions:

@@ -46,10 +46,10 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._errors import ConfigError, UsageError
-from ._files import Mount
-from ._http import HttpPolicy
-from ._limits import Limits, parse_size
+from .._errors import ConfigError, UsageError
+from .._files import Mount
+from .._limits import Limits, parse_size
+from ..capabilities.http import HttpPolicy
 
 __all__ = [
     "Config",
@@ -259,7 +259,7 @@ class TenantConfig(_Strict):
     def _vm_memory(self) -> TenantConfig:
         # A tenant that runs only in the microVM with less memory than a VM needs could
         # never run anything: refuse the file rather than fail every run.
-        from .backends.microvm import MIN_MEMORY_BYTES
+        from ..backends.microvm.backend import MIN_MEMORY_BYTES
 
         memory = self.limits.to_limits().memory_bytes
         if self.backend == "microvm" and memory < MIN_MEMORY_BYTES:
@@ -272,7 +272,7 @@ class TenantConfig(_Strict):
     def warnings(self, tenant: str) -> list[str]:
         """What the operator should know at start-up: a policy that defeats part of itself
         on this machine (the file is valid, so these do not refuse it)."""
-        from .backends.microvm import MIN_MEMORY_BYTES, microvm_available
+        from ..backends.microvm.backend import MIN_MEMORY_BYTES, microvm_available
 
         memory = self.limits.to_limits().memory_bytes
         if self.backend == "auto" and memory < MIN_MEMORY_BYTES and microvm_available():

@@ -3,7 +3,7 @@
 No VM here: the frames a guest agent would send are written by hand (the honest ones as the
 agent writes them, the hostile ones as a guest that owns the VM's kernel could), and applied
 to a real ``FileSession`` on real directories. The end-to-end runs are in
-``tests/backends/test_microvm_mounts.py``.
+``tests/backends/microvm/test_mounts.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from wasibox import Mount, UsageError
 from wasibox._files import STAGING_DIR, FileSession
-from wasibox._vm_files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
+from wasibox.backends.microvm.files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
 
 MEMORY = 256 * 2**20
 

@@ -22,7 +22,7 @@ endless or huge headers, a slow drip). The controls, modelled on pydantic-ai's `
   proxy, ``.netrc``, cookie jar or environment is consulted (httpx's transport, used
   directly, with ``trust_env=False``).
 
-Every refusal reaches the guest with the same message (``_hostcall.DENIED_MESSAGE``), which
+Every refusal reaches the guest with the same message (``hostcall.DENIED_MESSAGE``), which
 never says whether the target exists or what it resolved to; the reason goes only into the
 run's ``capability_log``. httpx is imported on first use, so runs without HTTP never pay
 for it.
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ssl
 
-from ._errors import UsageError
-from ._events import CapabilityEvent
-from ._hostcall import DENIED_MESSAGE, CallRefused
-from ._limits import parse_size
+from .._errors import UsageError
+from .._events import CapabilityEvent
+from .._limits import parse_size
+from .hostcall import DENIED_MESSAGE, CallRefused
 
 if TYPE_CHECKING:
     import httpx
@@ -444,7 +444,7 @@ class _Failed(Exception):
 class HttpGate:
     """Makes the guest's HTTP requests under one ``HttpPolicy``; one per run.
 
-    Called by the host-call channel (``wasibox/_hostcall.py``) on a worker thread, with the
+    Called by the host-call channel (``capabilities/hostcall.py``) on a worker thread, with the
     guest's request, the run's deadline and the run's capability log.
     """
 

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from wasibox import UsageError
 from wasibox._select import WASM_MODULES, imported_modules, needs_microvm
-from wasibox._vm_image import ImageConfig, extract_vmlinux, write_cpio
-from wasibox.backends.microvm import (
+from wasibox.backends.microvm.backend import (
     MAX_FRAME_BYTES,
     Channel,
     ConsoleRing,
     MicroVMBackend,
     emulation_allowed,
 )
+from wasibox.backends.microvm.image import ImageConfig, extract_vmlinux, write_cpio
 
 VM_MODULES = frozenset({"numpy", "pandas", "msgpack", "json", "ctypes"})
 

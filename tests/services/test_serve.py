@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from wasibox._config import hash_token
+from wasibox.services.config import hash_token
 
-from .conftest import PYTHON, child_env
+from ..conftest import PYTHON, child_env
 
 pytestmark = pytest.mark.guest
 

@@ -36,7 +36,7 @@ agent, which relays each call as a frame; the host answers it with the same
 ``HostCalls``/``HttpGate`` code the wasm backend uses, so policy, limits and the capability
 log are identical. Mounts are copied in over the channel (no host directory or disk reaches
 the VM) and a writable mount's changes come back the same way, into the run's staging, which
-the wasm backend's own code publishes only if the run ends ok (``wasibox/_vm_files.py``).
+the wasm backend's own code publishes only if the run ends ok (``backends/microvm/files.py``).
 
 Residual risk: QEMU 7.2 cannot open the template's RAM file read-only and still map it
 writable-private, so a QEMU compromised by a guest could write to the template file it was
@@ -75,19 +75,19 @@ from typing import Any, Literal
 
 import msgpack
 
-from .._control import RunControl, RunState
-from .._errors import EmulationRefused, UsageError, WasiboxError
-from .._events import CapabilityEvent
-from .._guest import cache_dir, file_lock
-from .._hostcall import HostCalls, StopRun
-from .._http import HttpGate
-from .._limits import Limit, Limits
-from .._progress import Reporter, heartbeat, library_reporter
-from .._result import GuestException, Outcome
-from .._vm_files import CopyIn, CopyOut, QuotaExceeded
-from .._vm_image import ImageConfig, VMImage, ensure_image, image_modules
-from .._wire import unpack
-from .base import Backend, Job
+from ..._control import RunControl, RunState
+from ..._errors import EmulationRefused, UsageError, VMError
+from ..._events import CapabilityEvent
+from ..._guest import cache_dir, file_lock
+from ..._limits import Limit, Limits
+from ..._progress import Reporter, heartbeat, library_reporter
+from ..._result import GuestException, Outcome
+from ..._wire import unpack
+from ...capabilities.hostcall import HostCalls, StopRun
+from ...capabilities.http import HttpGate
+from ..base import Backend, Job
+from .files import CopyIn, CopyOut, QuotaExceeded
+from .image import ImageConfig, VMImage, ensure_image, image_modules
 
 __all__ = ["ALLOW_EMULATION_ENV", "FUEL_PER_CPU_SECOND", "MIN_MEMORY_BYTES", "Engine",
            "MicroVMBackend", "MicroVMRuntime", "QemuMicrovm", "cached_accelerator",
@@ -114,10 +114,6 @@ ALLOW_EMULATION_ENV = "WASIBOX_ALLOW_EMULATION"
 _PR_SET_PDEATHSIG = 1
 #: The guest's virtual wall clock starts here unless the policy grants the real clock.
 VIRTUAL_EPOCH_NS = 1_704_067_200 * 10**9
-
-
-class VMError(WasiboxError):
-    """The VM could not be started or snapshotted (not something the guest did)."""
 
 
 def emulation_allowed(explicit: bool | None) -> bool:
@@ -863,7 +859,7 @@ class MicroVMBackend(Backend):
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         # Mounts are copied in over the channel and their changes applied to the run's
-        # staging (wasibox/_vm_files.py); sized up here, before any VM starts.
+        # staging (wasibox/backends/microvm/files.py); sized up here, before any VM starts.
         copy_in = CopyIn(job.files, limits.memory_bytes) if job.files is not None else None
         if copy_in is not None:
             request["mounts"] = copy_in.specs()

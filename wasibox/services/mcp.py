@@ -3,7 +3,7 @@ Protocol (the official ``mcp`` SDK; stdio or streamable HTTP).
 
 Policy. With no configuration the server is safe as it stands: wasibox's default limits, no
 network, no host functions, no mounts, only the session's workspace. A configuration (the same
-TOML file as ``wasibox serve``, ``wasibox._config``) adds one tenant's limits, mounts, HTTP
+TOML file as ``wasibox serve``, ``wasibox.services.config``) adds one tenant's limits, mounts, HTTP
 allowlist, host functions and backend; its ``token_sha256`` is not needed (stdio reaches only
 the process that started the server, and the HTTP transport has no authentication, so it
 listens only on loopback). Nothing a tool call sends can change the policy: the tools take
@@ -21,7 +21,7 @@ call, and when the server stops.
 
 Host functions. When the policy configures ``functions``, a ``call_function`` tool lets the
 model call them directly with JSON arguments. Each call goes through the same host-call
-channel as a call from guest code (``wasibox._hostcall.HostCalls``): unknown names are
+channel as a call from guest code (``wasibox.capabilities.hostcall.HostCalls``): unknown names are
 refused, the arguments and the result are each capped at ``host_call_bytes`` (and together
 at ``host_total_bytes``), and a function still running at the policy's ``timeout_s`` is
 abandoned. One ``call_function`` is one call, as if a run made one host call; the
@@ -56,14 +56,14 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import BaseModel, Field
 
-from ._config import Config, TenantConfig, load_config
-from ._errors import ConfigError, UsageError, WasiboxError
-from ._files import STAGING_DIR, Mount
-from ._hostcall import HostCalls, StopRun, host_error_message
-from ._limits import Limit, Limits
-from ._result import RunResult, json_value
-from ._sandbox import Sandbox
-from ._version import __version__
+from .._errors import ConfigError, UsageError, WasiboxError
+from .._files import STAGING_DIR, Mount
+from .._limits import Limit, Limits
+from .._result import RunResult, json_value
+from .._sandbox import Sandbox
+from .._version import __version__
+from ..capabilities.hostcall import HostCalls, StopRun, host_error_message
+from .config import Config, TenantConfig, load_config
 
 __all__ = ["McpPolicy", "RunReport", "WorkspaceStore", "call_host_function",
            "create_mcp_server", "describe_functions", "describe_result", "operator_message",

@@ -25,12 +25,12 @@ pytest.importorskip("mcp", reason="the mcp package (the 'mcp' extra) is not inst
 
 from mcp import Client, StdioServerParameters  # noqa: E402
 
-from tests import mcp_functions  # noqa: E402
 from tests.conftest import PYTHON, child_env  # noqa: E402
-from wasibox._config import load_config, parse_config  # noqa: E402
+from tests.services import mcp_functions  # noqa: E402
 from wasibox._errors import UsageError  # noqa: E402
 from wasibox._limits import FUEL_PER_SECOND, Limits  # noqa: E402
-from wasibox._mcp import (  # noqa: E402
+from wasibox.services.config import load_config, parse_config  # noqa: E402
+from wasibox.services.mcp import (  # noqa: E402
     McpPolicy,
     WorkspaceStore,
     _confine,
@@ -46,7 +46,10 @@ CONFIG = """\
 [tenants.agent]
 token_sha256 = "{digest}"
 limits = {{ fuel = 400_000_000, memory_bytes = "64MiB", timeout_s = 4, output_bytes = "64KiB" }}
-functions = {{ add = "tests.mcp_functions:add", greet = "tests.mcp_functions:greet" }}
+
+[tenants.agent.functions]
+add = "tests.services.mcp_functions:add"
+greet = "tests.services.mcp_functions:greet"
 
 [tenants.agent.http]
 allow = ["example.com"]
@@ -410,7 +413,7 @@ def in_process(policy: McpPolicy, main: Callable[[Client], Awaitable[T]],
         store.close()
 
 
-FUNCTIONS = {name: f"tests.mcp_functions:{name}"
+FUNCTIONS = {name: f"tests.services.mcp_functions:{name}"
              for name in ("add", "greet", "fail", "repeat", "nap", "raw")}
 
 LIMIT_CASES = [
@@ -641,7 +644,7 @@ def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
 
 # -- zero configuration, the README's agent.toml, structured results ---------------------------
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_agent_toml() -> str:
@@ -764,7 +767,7 @@ def test_a_tenant_chooses_its_backend_and_emulation() -> None:
 def test_errors_for_a_model_name_configuration_keys_not_python_api() -> None:
     # Real errors from the code that raises them; a runtime double stands for the machine.
     from wasibox.backends.base import Job, Policy
-    from wasibox.backends.microvm import MicroVMBackend
+    from wasibox.backends.microvm.backend import MicroVMBackend
 
     @dataclasses.dataclass
     class Machine:

@@ -52,8 +52,16 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from ._errors import UsageError
-from ._files import MAX_DEPTH, STAGING_DIR, FileSession, Mount, QuotaExceeded, _Blocked, _walk_host
+from ..._errors import UsageError
+from ..._files import (
+    MAX_DEPTH,
+    STAGING_DIR,
+    FileSession,
+    Mount,
+    QuotaExceeded,
+    _Blocked,
+    _walk_host,
+)
 
 __all__ = ["MAX_COPY_ENTRIES", "CopyIn", "CopyOut", "QuotaExceeded", "copy_in_caps"]
 

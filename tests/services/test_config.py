@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import wasibox
-from wasibox._config import hash_token, load_config, parse_config
-from wasibox._server import make_sandbox
+from wasibox.services.config import hash_token, load_config, parse_config
+from wasibox.services.serve import make_sandbox
 
 DIGEST = hash_token("token")
 
@@ -107,8 +107,8 @@ def test_errors_name_the_bad_key(data: dict[str, Any], expected: str) -> None:
 
 
 def test_a_tenant_needs_no_token_and_chooses_its_backend() -> None:
-    # The token is for `wasibox serve` (which refuses a tenant without one: tests/test_server.py);
-    # a stdio MCP server needs none.
+    # The token is for `wasibox serve` (which refuses a tenant without one:
+    # tests/services/test_serve.py); a stdio MCP server needs none.
     config = parse_config({"tenants": {"agent": {"backend": "microvm", "allow_emulation": True,
                                                  "limits": {"memory_bytes": "256MiB"}},
                                        "other": {}}})

@@ -1,4 +1,5 @@
-"""Host functions that the MCP tests' policy grants by import path (``tests.mcp_functions:add``)."""
+"""Host functions that the MCP tests' policy grants by import path
+(``tests.services.mcp_functions:add``)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ import trustme
 import wasibox
 from tests.conftest import open_fds
 from wasibox import Limit
-from wasibox._hostcall import DENIED_MESSAGE
-from wasibox._http import address_allowed, parse_url
+from wasibox.capabilities.hostcall import DENIED_MESSAGE
+from wasibox.capabilities.http import address_allowed, parse_url
 
 pytestmark = pytest.mark.guest
 

@@ -44,9 +44,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import GuestBuildError, UsageError
-from ._guest import cache_dir, file_lock, file_sha256
-from ._progress import Reporter, heartbeat, library_reporter
+from ..._errors import GuestBuildError, UsageError
+from ..._guest import cache_dir, file_lock, file_sha256
+from ..._progress import Reporter, heartbeat, library_reporter
 
 __all__ = ["BASE_PACKAGES", "REQUIRED_TOOLS", "ImageConfig", "VMImage", "cached_image_state",
            "ensure_image", "guest_microvm_sources", "image_modules", "missing_tools", "write_cpio"]
@@ -71,7 +71,7 @@ _PACKAGE_NAME = re.compile(r"^python3-[a-z0-9][a-z0-9.+-]*$")
 #: Trimmed from the root file system: documentation and caches nothing at run time reads.
 _TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
          "usr/share/lintian", "var/cache/apt", "var/lib/apt/lists", "var/log")
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[2]  # wasibox/
 
 
 def guest_microvm_sources() -> Path:

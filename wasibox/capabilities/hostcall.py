@@ -12,8 +12,8 @@ about the host from a failure: no host traceback, no host paths, one uniform mes
 every denial.
 
 It is backend-agnostic: a backend hands each call from its guest to ``HostCalls.handle`` and
-turns ``StopRun`` into the end of the run. The built-in HTTP client (``wasibox/_http.py``) is
-one more function behind the same channel. The contract is ``capabilities/host/host.wit``.
+turns ``StopRun`` into the end of the run. The built-in HTTP client (``capabilities/http.py``) is
+one more function behind the same channel. The contract is ``guest/wit/host.wit``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 
 import msgpack
 
-from ._errors import UsageError
-from ._events import CapabilityEvent
-from ._limits import Limit, Limits
-from ._wire import ProtocolError, max_elements, unpack
+from .._errors import UsageError
+from .._events import CapabilityEvent
+from .._limits import Limit, Limits
+from .._wire import ProtocolError, max_elements, unpack
 
 __all__ = ["DENIED_MESSAGE", "HTTP_FUNCTION", "CallRefused", "HostCalls", "HostReply", "StopRun",
            "check_functions", "host_error_message"]

@@ -22,8 +22,8 @@ import pytest
 import wasibox
 from tests.conftest import PYTHON, child_env
 from wasibox import Limit, Limits, UsageError
-from wasibox._vm_image import cached_image_state
-from wasibox.backends.microvm import MicroVMBackend, MicroVMRuntime, microvm_runtime
+from wasibox.backends.microvm.backend import MicroVMBackend, MicroVMRuntime, microvm_runtime
+from wasibox.backends.microvm.image import cached_image_state
 
 pytestmark = pytest.mark.microvm
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, child_env
-from wasibox import _config_reference
-from wasibox._config import Config, HttpConfig, LimitsConfig, MountConfig, TenantConfig
-from wasibox._config_reference import config_reference
+from wasibox.services import config_reference as _config_reference
+from wasibox.services.config import Config, HttpConfig, LimitsConfig, MountConfig, TenantConfig
+from wasibox.services.config_reference import config_reference
 
-REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_the_checked_in_reference_is_what_the_models_say() -> None:

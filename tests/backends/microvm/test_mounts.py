@@ -19,7 +19,7 @@ import pytest
 import wasibox
 
 # vm_runtime: the session's VM runtime (it skips only where QEMU or the image is missing).
-from tests.backends.test_microvm import VM_LIMITS, _no_orphans, vm_runtime  # noqa: F401
+from tests.backends.microvm.test_backend import VM_LIMITS, _no_orphans, vm_runtime  # noqa: F401
 from wasibox import Limit, Mount
 from wasibox._files import STAGING_DIR
 

@@ -30,16 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import enum
 import json
 import logging
 import math
 import socket
 import sys
 import time
+import types
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import prometheus_client
+import pydantic
 from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -47,12 +52,14 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ._concurrency import RunHandle
-from ._config import Config, LimitsConfig, TenantConfig, hash_token
-from ._errors import Busy, ConfigError, UsageError, WasiboxError
-from ._result import RunResult
-from ._sandbox import Sandbox
-from ._version import __version__
+from .. import _events, _result
+from .._concurrency import RunHandle
+from .._errors import Busy, ConfigError, UsageError, WasiboxError
+from .._events import CapabilityEvent
+from .._result import RunResult
+from .._sandbox import Sandbox
+from .._version import __version__
+from .config import Config, LimitsConfig, TenantConfig, hash_token
 
 __all__ = ["CallRequest", "RunRequest", "create_app", "make_sandbox", "serve"]
 
@@ -92,69 +99,61 @@ class CallRequest(RunRequest):
     kwargs: dict[str, Any] = Field(default={}, description="keyword arguments (JSON values)")
 
 
-class GuestExceptionModel(BaseModel):
-    """An exception raised by the guest, as the guest saw it."""
+def _model_of(cls: type[Any], doc: str | None = None, *, types: dict[str, Any] | None = None,
+              descriptions: dict[str, str] | None = None) -> type[BaseModel]:
+    """A pydantic model of dataclass ``cls``, field for field and in its order, named
+    ``<cls>Model``, so the documented response cannot drift from what it documents.
 
-    type: str
-    message: str
-    traceback: str
-
-
-class FileRecordModel(BaseModel):
-    """A file the run wrote under a writable mount, as published (guest path)."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-class RefusedFileModel(BaseModel):
-    """An entry of the run's staging that was not published, and why."""
-
-    path: str
-    reason: str
+    A nested dataclass becomes its own model, a tuple a list and an enum its value, as in
+    ``RunResult.to_dict()``; ``types`` replaces the type of a field whose JSON form differs.
+    """
+    hints = typing.get_type_hints(cls, globalns=_NAMESPACE)
+    spec: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        kind = (types or {}).get(field.name) or _json_type(hints[field.name])
+        description = (descriptions or {}).get(field.name)
+        spec[field.name] = (kind, Field(description=description) if description else ...)
+    return pydantic.create_model(f"{cls.__name__}Model", __doc__=doc or cls.__doc__, **spec)
 
 
-class CapabilityEventModel(BaseModel):
-    """One decision of a capability (an HTTP request, a host function call).
-
-    ``reason`` is always null in responses: it can say what a name resolved to."""
-
-    capability: str
-    action: str
-    target: str
-    allowed: bool
-    bytes_sent: int
-    bytes_received: int
-    duration_s: float
-    reason: str | None
+_MODELS: dict[type[Any], type[BaseModel]] = {}
+#: Where the result types' annotations are read (their ``__module__`` says ``wasibox``).
+_NAMESPACE = {**vars(_events), **vars(_result)}
 
 
-class RunResultModel(BaseModel):
-    """What one run produced (``wasibox.RunResult.to_dict()``). Every string is valid UTF-8
-    (guest text that was not has U+FFFD in its place); in ``value``, bytes, NaN and infinities
-    and maps with keys that are not strings are tagged objects: ``{"base64": ...}``,
-    ``{"float": "nan"}``, ``{"map": [[key, value], ...]}``."""
+def _json_type(hint: Any) -> Any:
+    """The JSON form of a field's type (see ``_model_of``)."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if hint not in _MODELS:
+            _MODELS[hint] = _model_of(hint)
+        return _MODELS[hint]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return str
+    arguments = typing.get_args(hint)
+    if typing.get_origin(hint) in (list, tuple):
+        return list[_json_type(arguments[0])]  # type: ignore[misc]
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return typing.Union[tuple(_json_type(argument) for argument in arguments)]  # noqa: UP007
+    return hint
 
-    ok: bool
-    exit_code: int
-    stdout: str
-    stderr: str
-    stdout_truncated: bool
-    stderr_truncated: bool
-    error: GuestExceptionModel | None
-    limit_exceeded: str | None = Field(
-        description="fuel, timeout, memory, output or cancelled; null if none was hit")
-    fuel_used: int
-    memory_peak_bytes: int
-    duration_s: float
-    backend: str
-    value: Any = Field(description="the entry function's return value (call only)")
-    files: list[FileRecordModel] = Field(
-        description="files written under writable mounts (published only when ok)")
-    files_refused: list[RefusedFileModel]
-    capability_log: list[CapabilityEventModel]
-    isolation: str = Field(description="wasm, or for the microVM kvm or tcg (emulation)")
+
+CapabilityEventModel = _model_of(CapabilityEvent, doc=(
+    "One decision of a capability (an HTTP request, a host function call).\n\n"
+    "``reason`` is always null in responses: it can say what a name resolved to."))
+
+RunResultModel = _model_of(RunResult, doc=(
+    "What one run produced (``wasibox.RunResult.to_dict()``). Every string is valid UTF-8\n"
+    "(guest text that was not has U+FFFD in its place); in ``value``, bytes, NaN and infinities\n"
+    "and maps with keys that are not strings are tagged objects: ``{\"base64\": ...}``,\n"
+    "``{\"float\": \"nan\"}``, ``{\"map\": [[key, value], ...]}``."),
+    types={"capability_log": list[CapabilityEventModel]},  # type: ignore[valid-type]
+    descriptions={
+        "limit_exceeded": "fuel, timeout, memory, output, host_calls or cancelled; null if "
+                          "none was hit",
+        "value": "the entry function's return value (call only)",
+        "files": "files written under writable mounts (published only when ok)",
+        "isolation": "wasm, or for the microVM kvm or tcg (emulation)",
+    })
 
 
 class ErrorModel(BaseModel):
@@ -263,7 +262,7 @@ class _Metrics:
             runner = tenant.sandbox._runner
             self.queue.labels(tenant.name).set(runner.queued)
             self.active.labels(tenant.name).set(runner.active)
-        from .backends.wasm import runtime
+        from ..backends.wasm import runtime
 
         ready, target = runtime().pool_status()
         self.pool.set(ready)
@@ -545,7 +544,7 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8080, *,
     """
     import uvicorn
 
-    from ._config import load_config
+    from .config import load_config
 
     config = load_config(config_path)
     for name, tenant in config.tenants.items():
