@@ -51,8 +51,9 @@ def test_mcp_agent_uses_the_tools_and_sees_refusals() -> None:
     done = run(PYTHON, str(EXAMPLES / "mcp_agent" / "agent.py"))
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "tools: list_files, read_file, run_python, write_file" in out
+    assert "tools: list_files, read_file, reset, run_python, write_file" in out
     assert "read_file total.txt -> 12" in out
+    assert "next call -> 24" in out
     assert "metadata URL -> status: error: CapabilityDenied" in out
     assert "endless loop -> status: stopped" in out
 

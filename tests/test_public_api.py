@@ -14,9 +14,13 @@ EXPECTED = {
     "FileRecord", "FunctionRefused", "GuestBuildError", "GuestError", "GuestException",
     "GuestMismatch", "HttpPolicy", "Limit", "LimitExceeded", "Limits", "Mount",
     "NativeOnlyPackage", "Packages", "RefusedFile",
-    "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Transform",
-    "TransformProgress", "TransformSpec", "UsageError", "VMError", "WasiboxError",
+    "RunHandle", "RunResult", "RunState", "Sandbox", "SandboxClosed", "Session", "SessionEnd",
+    "SessionEnded", "Transform", "TransformProgress", "TransformSpec", "UsageError", "VMError",
+    "WasiboxError",
     "guest_digest", "run",
+    # Journals and replay (docs/journal.md).
+    "GuestDigestMismatch", "Journal", "JournalError", "ReplayMismatch", "ReplayReport",
+    "replay",
 }
 
 
@@ -30,11 +34,14 @@ def test_exported_names() -> None:
 
 def test_error_tree_has_one_root() -> None:
     for name in ("Busy", "ConfigError", "FunctionRefused", "GuestBuildError", "GuestError",
-                 "GuestMismatch", "LimitExceeded", "SandboxClosed", "UsageError", "VMError"):
+                 "GuestMismatch", "LimitExceeded", "SandboxClosed", "UsageError", "VMError",
+                 "JournalError"):
         assert issubclass(getattr(wasibox, name), wasibox.WasiboxError)
     assert issubclass(wasibox.SandboxClosed, wasibox.UsageError)
     assert issubclass(wasibox.ConfigError, wasibox.UsageError)
     assert issubclass(wasibox.EmulationRefused, wasibox.UsageError)
+    assert issubclass(wasibox.GuestDigestMismatch, wasibox.JournalError)
+    assert issubclass(wasibox.ReplayMismatch, wasibox.JournalError)
     assert issubclass(wasibox.FunctionRefused, wasibox.UsageError)
     assert issubclass(wasibox.GuestMismatch, wasibox.GuestBuildError)
 

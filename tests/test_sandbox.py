@@ -104,7 +104,7 @@ print(len('abc'), hasattr(builtins, 'SENTINEL'), sys.modules.get('json') is not 
 import json; print(json.dumps([1]))
 """
     r = sandbox.run(check)
-    assert r.stdout == "3 False True []\n[1]\n"
+    assert r.stdout == "3 False True ['']\n[1]\n"
 
 
 def test_no_ambient_authority(sandbox: wasibox.Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,20 +13,27 @@ from ._errors import (
     EmulationRefused,
     FunctionRefused,
     GuestBuildError,
+    GuestDigestMismatch,
     GuestError,
     GuestMismatch,
+    JournalError,
     LimitExceeded,
     NativeOnlyPackage,
+    ReplayMismatch,
     SandboxClosed,
+    SessionEnded,
     UsageError,
     VMError,
     WasiboxError,
 )
 from ._events import CapabilityEvent
+from ._journal import Journal, ReplayReport
 from ._limits import Limit, Limits
 from ._packages import Packages, guest_digest
+from ._replay import replay
 from ._result import FileRecord, GuestException, RefusedFile, RunResult
 from ._sandbox import Sandbox, run
+from ._session import Session, SessionEnd
 from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
 from .capabilities.files.mount import Mount
@@ -42,10 +49,13 @@ __all__ = [
     "FileRecord",
     "FunctionRefused",
     "GuestBuildError",
+    "GuestDigestMismatch",
     "GuestError",
     "GuestException",
     "GuestMismatch",
     "HttpPolicy",
+    "Journal",
+    "JournalError",
     "Limit",
     "LimitExceeded",
     "Limits",
@@ -53,11 +63,16 @@ __all__ = [
     "NativeOnlyPackage",
     "Packages",
     "RefusedFile",
+    "ReplayMismatch",
+    "ReplayReport",
     "RunHandle",
     "RunResult",
     "RunState",
     "Sandbox",
     "SandboxClosed",
+    "Session",
+    "SessionEnd",
+    "SessionEnded",
     "Transform",
     "TransformProgress",
     "TransformSpec",
@@ -65,6 +80,7 @@ __all__ = [
     "VMError",
     "WasiboxError",
     "guest_digest",
+    "replay",
     "run",
 ]
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ._errors import EmulationRefused, UsageError, WasiboxError, fuel_advice
-from ._limits import FUEL_PER_SECOND, Limit, Limits
+from ._journal import DEFAULT_JOURNAL_BYTES
+from ._limits import FUEL_PER_SECOND, Limit, Limits, parse_size
 from ._terminal import inert
 from ._version import __version__
 from .capabilities.files.mount import Mount, guest_path_for
@@ -117,7 +118,37 @@ def _parser() -> argparse.ArgumentParser:
     from ._cli_data import package_arguments  # beside transform and fuzz, which take it too
 
     package_arguments(run)
+    record = run.add_argument_group("journal (see docs/journal.md)")
+    record.add_argument("--journal", metavar="FILE",
+                        help="record the run into FILE (JSON Lines): its code, input and "
+                             "every value the host handed the guest, so that 'wasibox "
+                             "replay FILE' re-executes it offline")
+    record.add_argument("--journal-bytes", default=DEFAULT_JOURNAL_BYTES, metavar="BYTES",
+                        help="the most the journal may hold; past it the journal is marked "
+                             "truncated and cannot be replayed (default: %(default)s)")
     run.set_defaults(handler=_cmd_run)
+
+    replay = commands.add_parser(
+        "replay", help="re-execute a recorded journal offline and check its outputs",
+        description="Re-execute the runs of a journal ('wasibox run --journal FILE',\n"
+                    "Sandbox.run(journal=...)) with no network, no mounts and no host\n"
+                    "functions: every value the host once handed the guest is served from\n"
+                    "the journal. Checks that stdout, stderr, the value or error, the exit\n"
+                    "status and the fuel are identical, call by call.",
+        epilog="exit status:\n  0 if every call matched, 1 if one differed (the difference "
+               "is on stderr),\n  2 if the journal cannot be replayed here (malformed, "
+               "truncated, or\n  recorded by another guest).\n\nexample:\n"
+               "  wasibox run --journal failure.jsonl job.py\n"
+               "  wasibox replay failure.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay.add_argument("journal", metavar="JOURNAL", help="the journal file")
+    replay.add_argument("--max-bytes", default=DEFAULT_JOURNAL_BYTES, metavar="BYTES",
+                        help="refuse a larger journal file (default: %(default)s)")
+    replay.add_argument("--json", action="store_true",
+                        help="print each replayed result and its differences as JSON")
+    replay.add_argument("--show-output", action="store_true",
+                        help="relay each replayed call's stdout and stderr")
+    replay.set_defaults(handler=_cmd_replay)
 
     prepare = commands.add_parser(
         "prepare", help="build and compile the guest now, so the first run is fast",
@@ -155,15 +186,17 @@ def _parser() -> argparse.ArgumentParser:
 
     mcp = commands.add_parser(
         "mcp", help="serve run_python and workspace file tools to AI agents over MCP",
-        description="Serve the Model Context Protocol tools run_python, write_file, read_file\n"
-                    "and list_files. With no options the policy is safe as it stands: default\n"
-                    "limits, no network, no host functions, no mounts. --config adds the\n"
-                    "policy of one tenant of a 'wasibox serve' config file (limits, mounts,\n"
-                    "HTTP allowlist, host functions, backend; no token needed); tool arguments\n"
-                    "cannot change it. Each MCP session gets its own workspace at /workspace,\n"
-                    "deleted when the session ends or sits idle; every run_python is a fresh\n"
-                    "interpreter. When the tenant lists host functions, a call_function\n"
-                    "tool calls them with JSON arguments under the same host-call limits.\n"
+        description="Serve the Model Context Protocol tools run_python, reset, write_file,\n"
+                    "read_file and list_files. With no options the policy is safe as it\n"
+                    "stands: default limits, no network, no host functions, no mounts.\n"
+                    "--config adds the policy of one tenant of a 'wasibox serve' config file\n"
+                    "(limits, mounts, HTTP allowlist, host functions, backend; no token\n"
+                    "needed); tool arguments cannot change it. Each MCP session gets its own\n"
+                    "workspace at /workspace, deleted when the session ends or sits idle, and\n"
+                    "one live interpreter: run_python calls share its variables until 'reset'\n"
+                    "(a tenant's sessions.enabled = false makes every call fresh). When the\n"
+                    "tenant lists host functions, a call_function tool calls them with JSON\n"
+                    "arguments under the same host-call limits.\n"
                     "Needs the 'mcp' extra: pip install 'wasibox[mcp]'.",
         epilog="examples:\n  wasibox mcp                                        # stdio, defaults\n"
                "  wasibox mcp --config wasibox.toml                  # stdio\n"
@@ -265,13 +298,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
             and not sys.stdin.isatty():
         # One byte past what a run accepts is enough for the Sandbox to refuse it clearly.
         stdin = sys.stdin.buffer.read(STDIN_LIMIT_FACTOR * limits.source_bytes + 1)
+    journal = None
+    if args.journal is not None:
+        from ._journal import Journal
+
+        journal = Journal(max_bytes=parse_size(args.journal_bytes, "--journal-bytes"))
     with Sandbox(limits, seed=args.seed, clock="real" if args.real_clock else "virtual",
                  entropy="real" if args.real_entropy else "seeded", mounts=mounts,
                  backend=args.backend, allow_emulation=args.allow_emulation,
                  python_path=python_path, **package_options(args)) as sandbox:
         argv0 = filename or ("-c" if args.code is not None else "-")
         result = sandbox.run(code, stdin=stdin, filename=filename, env=_env(args.env),
-                             argv=[argv0, *args.script_args])
+                             argv=[argv0, *args.script_args], journal=journal)
+    if journal is not None:
+        try:
+            journal.save(args.journal)
+        except OSError as exc:
+            print(f"wasibox: error: cannot write the journal {args.journal}: {exc.strerror}",
+                  file=sys.stderr)
+            return EXIT_WASIBOX_ERROR
+        if journal.truncated:
+            print(f"wasibox: the journal passed --journal-bytes {journal.max_bytes} and was "
+                  "truncated: it cannot be replayed", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -288,6 +336,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"wasibox: {words}", file=sys.stderr)
         return EXIT_LIMIT
     return result.exit_code
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from ._replay import replay
+
+    report = replay(args.journal, check=False,
+                    max_bytes=parse_size(args.max_bytes, "--max-bytes"))
+    if args.json:
+        print(json.dumps({"ok": report.ok, "calls": [
+            {"result": result.to_dict(), "differences": list(lines)}
+            for result, lines in zip(report.results, report.differences, strict=True)]},
+            indent=2))
+    for index, (result, lines) in enumerate(zip(report.results, report.differences,
+                                                strict=True)):
+        if args.show_output and not args.json:
+            _relay(sys.stdout, result.stdout)
+            sys.stdout.flush()
+            _relay(sys.stderr, result.stderr)
+        if not args.json:
+            verdict = "matches" if not lines else "DIFFERS"
+            print(f"call {index}: {verdict} (fuel_used={result.fuel_used:,}, "
+                  f"exit status {result.exit_code})", file=sys.stderr)
+    if not report.ok:
+        _relay(sys.stderr, report.diff() + "\n")
+        print("wasibox: the replay differs from the journal", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _relay(stream: TextIO, guest_text: str) -> None:

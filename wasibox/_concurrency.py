@@ -102,10 +102,12 @@ class _Ticket:
     """One admitted run, while the runner tracks it."""
 
     __slots__ = ("job", "control", "future", "detached", "has_slot", "granted",
-                 "forget_queue_cancel")
+                 "forget_queue_cancel", "execute")
 
-    def __init__(self, job: Job, detached: bool) -> None:
+    def __init__(self, job: Job, detached: bool,
+                 execute: Callable[[Job, RunControl], RunResult] | None) -> None:
         self.job = job
+        self.execute = execute  # None: the runner's own
         self.control = RunControl()
         self.future: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
         self.detached = detached  # True: runs on a worker thread; False: on its caller's
@@ -155,9 +157,14 @@ class Runner:
         """Runs waiting for a slot."""
         return len(self._waiting)
 
-    def run(self, job: Job) -> RunResult:
-        """Execute ``job`` on this thread once it has a slot. Raises Busy if it cannot queue."""
-        ticket = self._admit(job, detached=False)
+    def run(self, job: Job,
+            execute: Callable[[Job, RunControl], RunResult] | None = None) -> RunResult:
+        """Execute ``job`` on this thread once it has a slot. Raises Busy if it cannot queue.
+
+        ``execute`` replaces the runner's own for this job (a Session's call runs in its
+        session's guest, but holds one of the Sandbox's slots like any run).
+        """
+        ticket = self._admit(job, detached=False, execute=execute)
         if not ticket.has_slot:
             try:
                 ticket.granted.wait()
@@ -173,12 +180,14 @@ class Runner:
                 return ticket.future.result()
         return self._execute(ticket)
 
-    def start(self, job: Job) -> RunHandle:
+    def start(self, job: Job,
+              execute: Callable[[Job, RunControl], RunResult] | None = None) -> RunHandle:
         """Admit ``job`` and return its handle; it executes on a worker thread.
 
-        Raises Busy if the queue is full, SandboxClosed after ``close``.
+        ``execute`` as for ``run``. Raises Busy if the queue is full, SandboxClosed after
+        ``close``.
         """
-        ticket = self._admit(job, detached=True)
+        ticket = self._admit(job, detached=True, execute=execute)
         if ticket.has_slot:
             self._submit(ticket)
         return RunHandle(ticket.control, ticket.future)
@@ -196,8 +205,9 @@ class Runner:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _admit(self, job: Job, *, detached: bool) -> _Ticket:
-        ticket = _Ticket(job, detached)
+    def _admit(self, job: Job, *, detached: bool,
+               execute: Callable[[Job, RunControl], RunResult] | None) -> _Ticket:
+        ticket = _Ticket(job, detached, execute)
         with self._lock:
             if self._closed:
                 raise SandboxClosed("this Sandbox is closed; create a new one")
@@ -259,7 +269,7 @@ class Runner:
     def _execute(self, ticket: _Ticket) -> RunResult:
         """Execute a ticket that holds a slot; always frees the slot and settles the future."""
         try:
-            result = self._execute_job(ticket.job, ticket.control)
+            result = (ticket.execute or self._execute_job)(ticket.job, ticket.control)
         except BaseException as exc:
             ticket.control.finish()
             self._release()

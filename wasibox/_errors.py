@@ -9,6 +9,10 @@
     │   └── GuestMismatch         a dask worker's guest differs from the client's
     ├── VMError                   a microVM could not be started or snapshotted
     ├── Busy                      max_concurrency runs are active and max_queue more wait
+    ├── JournalError              a journal cannot be read or replayed (names the line)
+    │   ├── GuestDigestMismatch   the journal was recorded by another guest (names both)
+    │   └── ReplayMismatch        the replay's outputs differ from the journal's; ``.diff``
+    ├── SessionEnded              a Session was used after it ended; ``.reason`` says why
     └── UsageError                a mistake in the calling code (bad limits, bad arguments)
         ├── SandboxClosed         the Sandbox was used after ``close()``
         ├── ConfigError           a service configuration file is invalid (names the key)
@@ -37,11 +41,15 @@ __all__ = [
     "EmulationRefused",
     "FunctionRefused",
     "GuestBuildError",
+    "GuestDigestMismatch",
     "GuestError",
+    "JournalError",
     "GuestMismatch",
     "LimitExceeded",
     "NativeOnlyPackage",
+    "ReplayMismatch",
     "SandboxClosed",
+    "SessionEnded",
     "UsageError",
     "VMError",
     "WasiboxError",
@@ -143,6 +151,30 @@ class Busy(WasiboxError):
                            self.__dict__))
 
 
+class SessionEnded(WasiboxError):
+    """A call was made to a ``wasibox.Session`` that has ended; nothing ran.
+
+    ``reason`` is why it ended: ``"limit"`` (a call exceeded one of its limits, named by
+    ``result.limit_exceeded``), ``"trap"`` (the guest trapped or exited, so its interpreter
+    is gone), ``"idle"`` (no call for the session's idle timeout), ``"max_age"`` (it reached
+    its maximum age) or ``"closed"``. ``result`` is the RunResult of the call that ended it,
+    when a call did. A session is never restarted behind the caller's back: open a new one
+    and run its setup again.
+    """
+
+    def __init__(self, reason: str, detail: str, result: RunResult | None = None) -> None:
+        self.reason = reason
+        self.detail = detail
+        self.result = result
+        super().__init__(f"this session has ended ({detail}); its variables, imports and open "
+                         "files are gone. Open a new session (Sandbox.session()) and run its "
+                         "setup again")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.reason, self.detail, self.result), self.args,
+                           self.__dict__))
+
+
 class GuestError(WasiboxError):
     """Guest code raised an exception, or exited with a non-zero status.
 
@@ -195,3 +227,41 @@ class LimitExceeded(WasiboxError):
     def __reduce__(self) -> tuple[Any, ...]:
         # As GuestError's.
         return (_rebuilt, (type(self), (self.limit, self.result), self.args, self.__dict__))
+
+
+class JournalError(WasiboxError):
+    """A journal could not be read or replayed: it is malformed, of an unknown version,
+    larger than the size it may be read at, or was truncated when it was recorded. The
+    message names the line and says what to do."""
+
+
+class GuestDigestMismatch(JournalError):
+    """A journal was recorded by another guest than this installation's; a replay must run
+    the very guest that recorded it. ``recorded`` and ``current`` are the two digests."""
+
+    def __init__(self, recorded: str, current: str) -> None:
+        self.recorded = recorded
+        self.current = current
+        super().__init__(f"the journal was recorded by guest {recorded}, but this wasibox "
+                         f"runs guest {current}; replay it with the wasibox version that "
+                         "recorded it (`wasibox doctor` shows the guest digest)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.recorded, self.current), self.args,
+                           self.__dict__))
+
+
+class ReplayMismatch(JournalError):
+    """A replay ran, but what it produced differs from what the journal recorded.
+
+    ``diff`` says, call by call and field by field, what was recorded and what the replay
+    gave; ``call`` is the index of the first call that differed.
+    """
+
+    def __init__(self, call: int, diff: str) -> None:
+        self.call = call
+        self.diff = diff
+        super().__init__(f"the replay differs from the journal at call {call}:\n{diff}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt, (type(self), (self.call, self.diff), self.args, self.__dict__))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl, RunState
@@ -14,12 +15,16 @@ from ._errors import GuestError, LimitExceeded, NativeOnlyPackage, SandboxClosed
 from ._limits import Limit, Limits
 from ._packages import Packages, PackageSet, packages_from, resolve
 from ._result import GuestException, Outcome, RunResult, build_result
+from ._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S, Session
 from .backends.base import Backend, Job, Policy
 from .capabilities.files.mount import Mount, check_mounts
 from .capabilities.files.session import FileSession
 from .capabilities.files.staging import QuotaExceeded
 from .capabilities.hostcall import check_functions
 from .capabilities.http import HttpPolicy
+
+if TYPE_CHECKING:
+    from ._journal import Journal, Tape
 
 __all__ = ["STDIN_LIMIT_FACTOR", "Sandbox", "run"]
 
@@ -129,12 +134,57 @@ class Sandbox:
                               max_concurrency=max_concurrency, max_queue=max_queue)
         self._closed = False
         self._lock = threading.Lock()
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+    def session(self, *, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                max_age_s: float = DEFAULT_MAX_AGE_S,
+                publish: Literal["on_close", "always"] = "on_close",
+                journal: Journal | str | os.PathLike[str] | None = None,
+                restore: bytes | str | os.PathLike[str] | Journal | None = None) -> Session:
+        """Open a ``Session``: one live interpreter whose globals, imports and open files
+        persist from one ``session.run(code)`` to the next.
+
+        Each call has its own limits (this Sandbox's, narrowed per call); the session's
+        guest lives under this Sandbox's ``memory_bytes`` for its whole life, and ends after
+        ``idle_timeout_s`` without a call or ``max_age_s`` after it opened, whichever comes
+        first. With ``backend="auto"`` it runs on wasm, unless ``requires`` names a module
+        only the microVM has. Close it (or use ``with``) to free its guest.
+
+        Writes to writable mounts are published when the session closes or expires; with
+        ``publish="always"`` also when a limit or a trap ends it (by default those discard
+        them, as a failed run's writes are discarded).
+
+        ``journal`` (a new ``wasibox.Journal``, or a file path rewritten after every call)
+        records the session's calls, so that ``wasibox.replay`` re-executes them in one new
+        session and checks each (see docs/journal.md). Only wasm sessions can be recorded:
+        a microVM's runs are not deterministic.
+
+        ``restore`` (what ``Session.snapshot()`` returned, or its file) opens the session in
+        the state the snapshot was taken in, by re-executing its calls and checking each; a
+        restored session records its calls after those, so it can be snapshotted again. The
+        Sandbox must be set up as the one that took the snapshot (seed, clock, entropy,
+        limits, grants by name). Raises GuestDigestMismatch if another guest took it,
+        JournalError if it cannot be read, ReplayMismatch if a call did not reproduce, and
+        UsageError if this Sandbox is set up differently.
+
+        Raises UsageError for a timeout that is not a positive number of seconds, an unknown
+        ``publish``, or if the backend keeps no sessions, GuestBuildError if the guest cannot
+        be started, and SandboxClosed after ``close()``.
+        """
+        self._ensure_open()
+        session = Session(self, self._session_backend(), idle_timeout_s=idle_timeout_s,
+                          max_age_s=max_age_s, publish=publish, journal=journal,
+                          restore=restore)
+        with self._lock:
+            self._sessions.add(session)
+        return session
 
     def run(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
             kwargs: Mapping[str, Any] | None = None,
             limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
             argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-            filename: str | None = None) -> RunResult:
+            filename: str | None = None,
+            journal: Journal | str | os.PathLike[str] | None = None) -> RunResult:
         """Run ``code`` in a fresh interpreter and report what happened.
 
         With ``entry``, the function of that name is then called with ``args`` and
@@ -153,36 +203,45 @@ class Sandbox:
         is the name tracebacks and ``__file__`` give the code (default ``<sandbox>``): the
         code's guest path when it came from a mounted file.
 
+        ``journal`` (a ``wasibox.Journal``, or a file path written when the run ends) records
+        the run so that ``wasibox.replay`` can re-execute it offline and check its outputs
+        and fuel (see docs/journal.md). A journaled run never moves to the microVM.
+
         Never raises for what the guest does: exceptions, exit codes and exceeded limits are
         in the result. Raises UsageError if ``code`` is not a str or is larger than
         ``limits.source_bytes``, if the arguments cannot cross the boundary, for ``limits``
         that would not narrow the sandbox's, if ``stdin`` is larger than
         ``limits.source_bytes`` times 16 (``STDIN_LIMIT_FACTOR``), or if ``argv``, ``env`` or
-        ``filename`` are not str (without NUL; env names without ``=``), Busy if
+        ``filename`` are not str (without NUL; env names without ``=``), or if ``journal``
+        cannot record on this backend, records another sandbox's runs or is a path that
+        cannot be written, Busy if
         ``max_concurrency`` runs are active and ``max_queue`` more wait, and SandboxClosed
         after ``close()``.
         """
         return self._runner.run(self._job(code, entry, args, kwargs, limits,
-                                          _Context(stdin, argv, env, filename)))
+                                          _Context(stdin, argv, env, filename), journal))
 
     async def arun(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
                    kwargs: Mapping[str, Any] | None = None,
                    limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
                    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-                   filename: str | None = None) -> RunResult:
+                   filename: str | None = None,
+                   journal: Journal | str | os.PathLike[str] | None = None) -> RunResult:
         """``run`` for async code: the run executes on a worker thread; the loop never blocks.
 
         Cancelling the awaiting task stops the guest promptly, frees its instance, and then
         raises CancelledError. Raises Busy if the queue is full, and what ``run`` raises.
         """
         return await self.start(code, entry=entry, args=args, kwargs=kwargs, limits=limits,
-                                stdin=stdin, argv=argv, env=env, filename=filename)
+                                stdin=stdin, argv=argv, env=env, filename=filename,
+                                journal=journal)
 
     def start(self, code: str, *, entry: str | None = None, args: Sequence[Any] = (),
               kwargs: Mapping[str, Any] | None = None,
               limits: Mapping[str, Any] | None = None, stdin: str | bytes | None = None,
               argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-              filename: str | None = None) -> RunHandle:
+              filename: str | None = None,
+              journal: Journal | str | os.PathLike[str] | None = None) -> RunHandle:
         """Start a run on a worker thread and return its handle at once.
 
         ``await handle`` or ``handle.result()`` gives the RunResult; ``handle.cancel()``
@@ -190,7 +249,7 @@ class Sandbox:
         the queue is full, and UsageError/SandboxClosed as ``run`` does.
         """
         return self._runner.start(self._job(code, entry, args, kwargs, limits,
-                                            _Context(stdin, argv, env, filename)))
+                                            _Context(stdin, argv, env, filename), journal))
 
     def call(self, code: str, entry: str, /, *args: Any,
              limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -216,6 +275,8 @@ class Sandbox:
             if self._closed:
                 return
             self._closed = True
+        for session in list(self._sessions):
+            session.close()
         self._runner.close()
         self._backend.close()
         if self._microvm is not None:
@@ -271,7 +332,8 @@ class Sandbox:
 
     def _job(self, code: str, entry: str | None, args: Sequence[Any],
              kwargs: Mapping[str, Any] | None, narrow: Mapping[str, Any] | None,
-             context: _Context | None = None) -> Job:
+             context: _Context | None = None,
+             journal: Journal | str | os.PathLike[str] | None = None) -> Job:
         """Validate a request and turn it into a Job (shared by every driver, sync or async)."""
         self._ensure_open()
         limits = self.limits if narrow is None else self.limits.narrow(narrow)
@@ -282,27 +344,90 @@ class Sandbox:
         if entry is None:
             if args or kwargs:
                 raise UsageError("args and kwargs need an entry function to pass them to")
+        else:
+            if not isinstance(entry, str) or not entry.isidentifier():
+                raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
+            job = dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
+                                      kwargs=dict(kwargs or {}))
+        if journal is None:
             return job
-        if not isinstance(entry, str) or not entry.isidentifier():
-            raise UsageError(f"entry must name a function, such as 'main', not {entry!r}")
-        return dataclasses.replace(job, op="call", entry=entry, args=tuple(args),
-                                   kwargs=dict(kwargs or {}))
+        return dataclasses.replace(job, tape=self._record(job, journal))
+
+    def _record(self, job: Job, journal: Journal | str | os.PathLike[str],
+                kind: Literal["run", "session"] = "run",
+                backend: Backend | None = None) -> Tape:
+        """Start recording ``job`` into ``journal``; raises UsageError as ``run`` says."""
+        from ._journal import Journal, header_for, journal_digest, request_of
+
+        target = None
+        if not isinstance(journal, Journal):
+            if not isinstance(journal, str | os.PathLike):
+                raise UsageError("journal must be a wasibox.Journal or a file path, not "
+                                 f"{type(journal).__name__}")
+            target, journal = journal, Journal()
+        digest = journal_digest(backend or self._backend)
+        try:
+            request = request_of(job)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
+                                        self.python_path), request)
+        tape.save_to = target
+        return tape
+
+    def _run_taped(self, keywords: dict[str, Any], tape: Tape) -> RunResult:
+        """Replay one recorded run: its request, with ``tape`` serving the boundary."""
+        keywords = dict(keywords)
+        context = _Context(keywords.pop("stdin"), keywords.pop("argv"), keywords.pop("env"),
+                           keywords.pop("filename"))
+        job = self._job(keywords.pop("code"), keywords.pop("entry", None),
+                        keywords.pop("args", ()), keywords.pop("kwargs", None),
+                        keywords.pop("limits"), context)
+        return self._runner.run(dataclasses.replace(job, tape=tape))
+
+    def _context_job(self, code: str, narrow: Mapping[str, Any] | None,
+                     stdin: str | bytes | None, argv: Sequence[str] | None,
+                     env: Mapping[str, str] | None) -> Job:
+        """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
+        return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
+
+    def _result(self, outcome: Outcome, backend: str) -> RunResult:
+        """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
+        pins = self.package_set.pins if self.package_set is not None else ()
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES, packages=pins)
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
-        pins = self.package_set.pins if self.package_set is not None else ()
-        return run_with_files(job, lambda job: build_result(
-            backend.execute(job, control), backend.name, REPLY_LIMIT_BYTES, packages=pins),
-            control)
+        try:
+            result = run_with_files(job, lambda job: self._result(
+                backend.execute(job, control), backend.name), control)
+        except BaseException:
+            if job.tape is not None:
+                job.tape.abandon()  # the call never ran: nothing to replay
+            raise
+        if job.tape is not None and not job.tape.replaying:
+            job.tape.finish(result)
+        return result
 
     def _cancelled_result(self, job: Job) -> RunResult:
-        return build_result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name,
-                            REPLY_LIMIT_BYTES)
+        result = self._result(Outcome(limit_exceeded=Limit.CANCELLED), self._backend.name)
+        if job.tape is not None and not job.tape.replaying:
+            job.tape.finish(result)
+        return result
+
+    def _session_backend(self) -> Backend:
+        """The backend a session runs on: chosen from ``requires`` alone, since its code
+        comes later, one call at a time."""
+        if not self._auto:
+            return self._backend
+        return self._choose(Job(op="run", code="", limits=self.limits, policy=self.policy))
 
     def _choose(self, job: Job) -> Backend:
         """The backend for this job: decided once, before anything runs."""
         if not self._auto or self.package_set is not None:
             return self._backend  # the microVM does not have the package set
+        if job.tape is not None:  # only wasm runs can be replayed
+            return self._backend
         from ._select import wasm_lacks
 
         lacking = wasm_lacks(job.code, self.requires)

@@ -176,7 +176,28 @@ def encode_request(fields: dict[str, Any]) -> str:
     for key in ("args", "kwargs"):
         if fields.get(key):
             fields[key] = as_msgpack_values(fields[key])
+    for key, value in fields.items():
+        fields[key] = _unshared(value)
     return base64.b64encode(marshal.dumps(fields, MARSHAL_VERSION)).decode("ascii")
+
+
+def _unshared(value: Any) -> Any:
+    """``value`` with each str (in it, or in its lists and dict values) a fresh copy.
+
+    marshal writes an interned str with its own type code, and an object referenced more
+    than once as a back-reference; the guest's loads pays differently for each. Whether the
+    caller's ``"main"`` was interned (a literal) or not (read from a file) must not change
+    the fuel a run uses, or a replayed run would not use the fuel it was recorded with. A
+    fresh copy is never interned and is referenced once. (Empty and one-character strs are
+    shared singletons in every process, so they are written the same way every time.)
+    """
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+    if isinstance(value, list):
+        return [_unshared(item) for item in value]
+    if isinstance(value, dict):
+        return {_unshared(key): _unshared(item) for key, item in value.items()}
+    return value
 
 
 #: A reply holds at most this many strings and values: it is a flat map of a few fields.

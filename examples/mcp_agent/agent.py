@@ -1,8 +1,8 @@
 """An agent's side of `wasibox mcp`: start the server over stdio and use its tools.
 
 A real agent is a model choosing the tool calls; here they are scripted, to show what the
-model sees: a workspace that persists across calls of one session, a fresh interpreter per
-run_python, and refusals as results, not crashes.
+model sees: a workspace and an interpreter that persist across calls of one session (until
+reset, or a call that exceeds a limit), and refusals as results, not crashes.
 
 Usage: python examples/mcp_agent/agent.py   (needs the 'mcp' extra: pip install 'wasibox[mcp]')
 """
@@ -33,6 +33,9 @@ async def main() -> None:
         print("run_python ->", text(await client.call_tool("run_python", {"code": code})))
         print("read_file total.txt ->",
               text(await client.call_tool("read_file", {"path": "total.txt"})))
+        # The interpreter is the same one: `total` is still defined.
+        kept = text(await client.call_tool("run_python", {"code": "print(total * 2)"}))
+        print("next call ->", kept.splitlines()[2])
         refused = ("import urllib.request\n"
                    "urllib.request.urlopen('http://169.254.169.254/latest/meta-data/')")
         denied = text(await client.call_tool("run_python", {"code": refused}))

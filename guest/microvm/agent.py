@@ -208,12 +208,20 @@ def _exit_status(code):
     return 1
 
 
+#: The state of a session (``"session": True`` jobs): its namespace, once made.
+_SESSION = {}
+
+
 def execute(job):
     """Run one job (the wasm runner's request) and return the encoded reply."""
+    session = job.get("session", False)
     seed = job.get("seed")
-    random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
     sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
     numpy_module = sys.modules.get("numpy")
+    if not (session and _SESSION):  # a session's streams are seeded once, then run on
+        random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
+    else:
+        numpy_module = None
     if numpy_module is not None:
         # numpy's global generator was seeded when the template imported it: every run would
         # otherwise draw the same stream. Seeded like ``random``; None draws fresh entropy.
@@ -223,7 +231,7 @@ def execute(job):
         # The job's environment replaces the child's defaults, so that a program sees the
         # same os.environ on both backends.
         sys.argv[:] = job["argv"]
-        sys.path[:0] = job["path"]
+        sys.path[:0] = [entry for entry in job["path"] if entry not in sys.path]
         os.environ.clear()
         os.environ.update(job["env"])
         if job["stdin"] is not None:
@@ -232,9 +240,13 @@ def execute(job):
     code = job["code"]
     filename = job.get("filename", _SOURCE_NAME)
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    if filename != _SOURCE_NAME:
-        namespace["__file__"] = filename
+    if session:
+        namespace = _SESSION.setdefault("namespace",
+                                        {"__name__": "__main__", "__builtins__": builtins})
+    else:
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        if filename != _SOURCE_NAME:
+            namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
@@ -369,10 +381,18 @@ def _data_limit(headroom=24 * 2**20):
     return max(used + available - headroom, used + headroom)
 
 
-def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None,
+def _read_job(fd):
+    """The next job of a session, from the agent (OSError once the agent closed the pipe)."""
+    (size,) = struct.unpack(">I", _read_pipe_exactly(fd, 4))
+    return msgpack.unpackb(_read_pipe_exactly(fd, size), raw=False, strict_map_key=False)
+
+
+def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None, job_r=None,
            _exit=os._exit):
     """In the forked child: drop privileges, run the job, write the reply, exit.
 
+    With ``job_r`` (a session) each reply is framed by its length, and the child then waits
+    there for the session's next job, in the same interpreter, until the agent closes it.
     Never returns, whatever the job did to this interpreter: ``_exit`` is bound early.
     """
     status = 70
@@ -384,7 +404,8 @@ def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None,
             handle.write("1000")
         resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        if job_r is None:  # a session's CPU time is metered per call, by the agent
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         data = _data_limit()
         if data is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (data, data))
@@ -395,7 +416,7 @@ def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None,
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        keep = sorted({reply_w, call_w, result_r})
+        keep = sorted({reply_w, call_w, result_r} | ({job_r} if job_r is not None else set()))
         low = 3
         for fd in keep:
             os.closerange(low, fd)
@@ -412,10 +433,14 @@ def _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts=None,
         _HOST_PIPES.update(call_w=call_w, result_r=result_r)
         # The preloaded stack stays frozen: a collection walking it would cost a second
         # under emulation, and the child is thrown away after one job anyway.
-        reply = execute(job).encode("ascii")
-        view = memoryview(reply)
-        while view:
-            view = view[os.write(reply_w, view):]
+        while job is not None:
+            reply = execute(job).encode("ascii")
+            if job_r is not None:
+                reply = struct.pack(">I", len(reply)) + reply
+            view = memoryview(reply)
+            while view:
+                view = view[os.write(reply_w, view):]
+            job = _read_job(job_r) if job_r is not None else None
         status = 0
     finally:
         _exit(status)
@@ -489,40 +514,92 @@ def _succeeded(reply):
     return isinstance(fields, dict) and fields.get("exit_code") == 0 and "error" not in fields
 
 
-def serve(channel, request):
+def _cpu_seconds(pid):
+    """CPU time the process ``pid`` has used so far (user and system), or 0.0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _peak_memory(pid):
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle
+                        if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+class _Live:
+    """The child of a session between its calls: its process and the agent's pipe ends."""
+
+    def __init__(self, pid, pidfd, out_r, err_r, reply_r, call_r, result_w, job_w):
+        self.pid, self.pidfd = pid, pidfd
+        self.out_r, self.err_r, self.reply_r, self.call_r = out_r, err_r, reply_r, call_r
+        self.result_w, self.job_w = result_w, job_w
+
+
+def serve(channel, request, live=None):
+    """Run one job and report it with a ``done`` frame.
+
+    A session's job (``"session": True``) runs in a child that outlives it: this returns
+    that child (give it back with the session's next request), or None once the child is
+    gone, as it always is after a job outside a session. A session's CPU budget is per call,
+    metered here from the child's CPU time, since its rlimit counts the whole life.
+    """
     job = request["job"]
+    session = bool(job.get("session"))
     output_room = int(request["output_bytes"])
     cpu_s = max(int(request["cpu_s"]), 1)
-    _reseed(bytes(request.get("entropy", b"")))
-    try:
-        time.clock_settime_ns(time.CLOCK_REALTIME, int(request["time_ns"]))
-    except (OSError, KeyError, ValueError):
-        pass
     mounts = None
-    if request.get("mounts"):
-        mounts, fault = _receive_mounts(channel, request["mounts"])
-        if fault is not None:
-            channel.send({"kind": "done", "reply": None, "exit_code": None, "limit": None,
-                          "fault": fault, "cpu_s": 0.0, "memory_peak_bytes": 0,
-                          "truncated": []})
-            return
+    if live is None:
+        _reseed(bytes(request.get("entropy", b"")))
+        try:
+            time.clock_settime_ns(time.CLOCK_REALTIME, int(request["time_ns"]))
+        except (OSError, KeyError, ValueError):
+            pass
+        if request.get("mounts"):
+            mounts, fault = _receive_mounts(channel, request["mounts"])
+            if fault is not None:
+                channel.send({"kind": "done", "reply": None, "exit_code": None, "limit": None,
+                              "fault": fault, "cpu_s": 0.0, "memory_peak_bytes": 0,
+                              "truncated": []})
+                return None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        call_r, call_w = os.pipe()
+        result_r, result_w = os.pipe()
+        job_r, job_w = os.pipe() if session else (None, None)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(channel.fd)
+            for fd in (out_r, err_r, reply_r, call_r, result_w, job_w):
+                if fd is not None:
+                    os.close(fd)
+            _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts, job_r)
+        for fd in (out_w, err_w, reply_w, call_w, result_r, job_r):
+            if fd is not None:
+                os.close(fd)
+        live = _Live(pid, os.pidfd_open(pid), out_r, err_r, reply_r, call_r, result_w, job_w)
+    else:
+        frame = msgpack.packb(job, use_bin_type=True)
+        view = memoryview(struct.pack(">I", len(frame)) + frame)
+        try:
+            while view:
+                view = view[os.write(live.job_w, view):]
+        except OSError:
+            pass  # the child is gone: the loop below reports how it ended
+    pid, pidfd = live.pid, live.pidfd
+    out_r, err_r, reply_r, call_r, result_w = (live.out_r, live.err_r, live.reply_r,
+                                               live.call_r, live.result_w)
     oom_before = _oom_kills()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    reply_r, reply_w = os.pipe()
-    call_r, call_w = os.pipe()
-    result_r, result_w = os.pipe()
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(channel.fd)
-        for fd in (out_r, err_r, reply_r, call_r, result_w):
-            os.close(fd)
-        _child(job, cpu_s, out_w, err_w, reply_w, call_w, result_r, mounts)
-    for fd in (out_w, err_w, reply_w, call_w, result_r):
-        os.close(fd)
+    cpu_before = _cpu_seconds(pid) if session else 0.0
     calls = bytearray()
-    pidfd = os.pidfd_open(pid)
     streams = {out_r: 1, err_r: 2}
     open_fds = {out_r, err_r, reply_r, call_r}
     reply = bytearray()
@@ -544,17 +621,7 @@ def serve(channel, request):
                 request = msgpack.unpackb(bytes(calls[4:4 + size]), raw=False)
                 del calls[:4 + size]
                 # Output written before the call reaches the host before the call does.
-                while True:
-                    pending = [fd for fd in (out_r, err_r) if fd in open_fds]
-                    ready, _, _ = select.select(pending, [], [], 0)
-                    if not ready:
-                        break
-                    for stream in ready:
-                        data = os.read(stream, OUTPUT_CHUNK)
-                        if data:
-                            relay(stream, data)
-                        else:
-                            open_fds.discard(stream)
+                drain()
                 # Relayed as is: the host checks the name, the payload and the limits.
                 channel.send({"kind": "call", "name": request.get("name"),
                               "payload": request.get("payload")})
@@ -570,7 +637,7 @@ def serve(channel, request):
                     pass
             return
         if fd == reply_r:
-            if len(reply) + len(data) > MAX_REPLY_BYTES:
+            if len(reply) + len(data) > MAX_REPLY_BYTES + 4:
                 raise OverflowError
             reply.extend(data)
             return
@@ -584,12 +651,43 @@ def serve(channel, request):
             killed_by_agent = True
             os.killpg(pid, signal.SIGKILL)
 
+    def drain():
+        """Relay the output already written, without waiting for more."""
+        while True:
+            pending = [fd for fd in (out_r, err_r) if fd in open_fds]
+            ready, _, _ = select.select(pending, [], [], 0)
+            if not ready:
+                return
+            for stream in ready:
+                data = os.read(stream, OUTPUT_CHUNK)
+                if data:
+                    relay(stream, data)
+                else:
+                    open_fds.discard(stream)
+
+    def replied():
+        """Whether a session's child has written this call's whole (framed) reply."""
+        if len(reply) < 4:
+            return False
+        return len(reply) >= 4 + struct.unpack(">I", reply[:4])[0]
+
     child_running = True
     try:
         while open_fds and (child_running or open_fds):
+            if session and child_running and replied():
+                drain()  # the child flushed its output before it replied
+                break
             watch = list(open_fds) + ([pidfd] if child_running else [])
-            ready, _, _ = select.select(watch, [], [], None if child_running else 0)
+            wait = (0.1 if session else None) if child_running else 0
+            ready, _, _ = select.select(watch, [], [], wait)
+            if session and child_running and limit is None \
+                    and _cpu_seconds(pid) - cpu_before >= cpu_s:
+                limit = "fuel"
+                killed_by_agent = True
+                os.killpg(pid, signal.SIGKILL)
             if not ready:
+                if child_running:
+                    continue
                 break
             for fd in ready:
                 if fd == pidfd:
@@ -607,9 +705,18 @@ def serve(channel, request):
         os.kill(-1, signal.SIGKILL)
         fault = {"type": "ProtocolError", "traceback": "",
                  "message": "the guest's reply is larger than the host accepts"}
+    if session and child_running and fault is None and limit is None:
+        # The call is over and the child lives on, waiting for the session's next job.
+        channel.send({"kind": "done", "reply": bytes(reply[4:]).decode("ascii", "replace"),
+                      "exit_code": None, "limit": None, "fault": None,
+                      "cpu_s": _cpu_seconds(pid) - cpu_before,
+                      "memory_peak_bytes": _peak_memory(pid), "truncated": []})
+        return live
     _, status, usage = os.wait4(pid, 0)
     os.kill(-1, signal.SIGKILL)
-    cpu_used = usage.ru_utime + usage.ru_stime
+    cpu_used = usage.ru_utime + usage.ru_stime - cpu_before
+    if session:
+        reply = reply[4:] if replied() else bytearray()
     exit_code = None
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
@@ -640,6 +747,7 @@ def serve(channel, request):
         "memory_peak_bytes": usage.ru_maxrss * 1024,
         "truncated": sorted(truncated),
     })
+    return None
 
 
 def main():
@@ -651,8 +759,10 @@ def main():
     channel.send({"kind": "ready", "python": sys.version.split()[0]})
     # The template snapshot is taken here, while this waits for its one job.
     request = channel.receive()
-    if request.get("kind") == "run":
-        serve(channel, request)
+    live = serve(channel, request) if request.get("kind") == "run" else None
+    while live is not None:  # a session: its child serves each next call
+        request = channel.receive()
+        live = serve(channel, request, live) if request.get("kind") == "run" else None
     while True:  # the host stops the VM; PID 1 must not exit
         signal.pause()
 

@@ -657,6 +657,20 @@ def install():
     os.supports_effective_ids = set()
 
 
+def flush_open():
+    """Flush what the program left open without closing it (between a session's calls, whose
+    files stay open). Raises the first error, as ``finish`` does."""
+    failure = None
+    for handle in list(_opened):
+        try:
+            if not handle.closed:
+                handle.flush()
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
 def finish():
     """Close what the program left open, so buffered writes reach the host before it
     decides what to publish. Raises the first error (a flush that hit the quota): a file

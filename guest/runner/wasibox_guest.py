@@ -16,6 +16,7 @@ import builtins
 import gc
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import io
 import json
 import linecache
@@ -100,7 +101,8 @@ UNAVAILABLE = frozenset({
 
 def _pack_tree(root, prefix, skip, display_root="<stdlib>"):
     """Compile every module under ``root`` into ``{name: (is_package, marshalled code,
-    file name)}``; the file name, under ``display_root``, is the module's ``__file__``."""
+    file name, zlib-compressed source)}``; the file name, under ``display_root``, is the
+    module's ``__file__``. The source is what tracebacks and ``inspect`` show."""
     table = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip and "-" not in d and "." not in d)
@@ -122,7 +124,7 @@ def _pack_tree(root, prefix, skip, display_root="<stdlib>"):
                 code = compile(source, display, "exec", dont_inherit=True)
             except SyntaxError:
                 continue
-            table[name] = (is_package, marshal.dumps(code), display)
+            table[name] = (is_package, marshal.dumps(code), display, zlib.compress(source, 9))
     return table
 
 
@@ -291,7 +293,8 @@ class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         return marshal.loads(_MODULES[fullname][1])
 
     def get_source(self, fullname):
-        return None  # only the compiled code is packed
+        # Compressed, the stdlib's source adds about 1.7 MB to the snapshot.
+        return importlib.util.decode_source(zlib.decompress(_MODULES[fullname][3]))
 
     def is_package(self, fullname):
         return _MODULES[fullname][0]
@@ -340,22 +343,31 @@ def _distribution_class():
 
 
 # From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
-# file system holds only the run's mounts (wasibox_files.py), and sys.path starts empty, so
-# the path importer finds only what a run puts on sys.path (the job's ``path``, or the
-# program's own sys.path.insert), and reads it through the same mounts as open(). The packed
-# stdlib comes first, so a user module cannot shadow a stdlib one.
+# file system holds only the run's mounts (wasibox_files.py), and sys.path starts as
+# ``python -c`` starts it, with "" (the current directory, "/" unless the program changes
+# it), so the path importer finds only what is in the current directory or a run puts on
+# sys.path (the job's ``path``, or the program's own sys.path.insert), and reads it through
+# the same mounts as open(). The packed stdlib comes first, so a user module cannot shadow a
+# stdlib one.
 sys.meta_path[:] = [
     importlib.machinery.BuiltinImporter,
     importlib.machinery.FrozenImporter,
     _PackedFinder(),
     importlib.machinery.PathFinder,
 ]
-sys.path[:] = []
+sys.path[:] = [""]
 sys.path_hooks[:] = [importlib.machinery.FileFinder.path_hook(
     (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
     (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))]
 sys.path_importer_cache.clear()
 sys.dont_write_bytecode = True
+# The modules imported above were read from the stdlib's mount, and their loaders would read
+# it again for their source (tracebacks, inspect): point them at the packed copy instead.
+for _module in list(sys.modules.values()):
+    _spec = getattr(_module, "__spec__", None)
+    if _spec is not None and _spec.name in _MODULES and isinstance(
+            _spec.loader, importlib.machinery.SourceFileLoader):
+        _spec.loader = _module.__loader__ = sys.meta_path[2]
 
 # -- build time: the run-time environment ---------------------------------------------------
 
@@ -609,6 +621,9 @@ class WitWorld(wit_world.WitWorld):
         return _execute(request, _STREAMS)
 
 
+#: The state of a session (``"session": True`` requests): its namespace, once made.
+_SESSION = {}
+
 # The seed the snapshot's ``random`` module was seeded with at build time (see the end of this
 # file): a job with this seed skips re-seeding, which costs more than the rest of a small run.
 _SNAPSHOT_SEED = 0
@@ -625,8 +640,10 @@ def _execute(request, streams):
     stdout, stderr = streams
     sys.stdout, sys.stderr = stdout, stderr
     sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
+    session = job.get("session", False)
     seed = job.get("seed")
-    if seed != _SNAPSHOT_SEED:
+    # A session's random stream is seeded once, by its first call, and then runs on.
+    if seed != _SNAPSHOT_SEED and not (session and _SESSION):
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
     if "argv" in job:
         _program_context(job)
@@ -635,9 +652,15 @@ def _execute(request, streams):
     code = job["code"]
     filename = job.get("filename", _SOURCE_NAME)
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    if filename != _SOURCE_NAME:
-        namespace["__file__"] = filename
+    if session:
+        # A session's calls share one namespace, made by its first call; an ordinary run's
+        # instance never sees a session request, so nothing of this outlives its run.
+        namespace = _SESSION.setdefault("namespace",
+                                        {"__name__": "__main__", "__builtins__": builtins})
+    else:
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        if filename != _SOURCE_NAME:
+            namespace["__file__"] = filename
     exit_code = 0
     error = None
     value = None
@@ -663,7 +686,9 @@ def _execute(request, streams):
         error = _describe(exc)
         exit_code = 1
     try:
-        wasibox_files.finish()  # flush what the program left open, before the host publishes
+        # Flush what the program left open, before the host publishes; a session's files
+        # stay open for its next call.
+        (wasibox_files.flush_open if session else wasibox_files.finish)()
     except BaseException as exc:
         if error is None and exit_code == 0:
             error = _describe(exc)
@@ -693,7 +718,8 @@ def _program_context(job):
     The host sends these fields only when a caller set one of them (see wasibox/_wire.py).
     """
     sys.argv[:] = job["argv"]
-    sys.path[:0] = job["path"]
+    # Each of a session's calls sends the path again: put each directory first only once.
+    sys.path[:0] = [entry for entry in job["path"] if entry not in sys.path]
     if job["env"]:
         os.environ.update(job["env"])
     stdin = job["stdin"]

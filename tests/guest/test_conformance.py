@@ -34,6 +34,28 @@ def test_argv_is_a_single_empty_string_so_argparse_works(sandbox: wasibox.Sandbo
     assert result.stdout == "[''] 3 \n"
 
 
+def test_sys_path_starts_with_the_current_directory_as_python_c_does(tmp_path: Path) -> None:
+    # test_grammar reads sys.path[0]. The current directory is importable, through the
+    # mounts; a module there still cannot shadow the stdlib.
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "colorsys.py").write_text("raise SystemExit('shadowed the stdlib')\n")
+    with wasibox.Sandbox(workspace=tmp_path) as sandbox:
+        result = sandbox.run(textwrap.dedent("""
+            import os, sys
+            print(sys.path)
+            try:
+                import helper
+            except ImportError:
+                print("not at /")
+            os.chdir("/workspace")
+            import helper, colorsys
+            print(helper.VALUE, helper.__file__, colorsys.__file__)
+        """))
+    assert result.ok, result.error
+    assert result.stdout.splitlines() == [
+        "['']", "not at /", "7 /workspace/helper.py <stdlib>/colorsys.py"]
+
+
 def test_lazily_imported_stdlib_modules_have_a_file(sandbox: wasibox.Sandbox) -> None:
     # _strptime needs __file__ for the leap-day warning; native CPython 3.14 then raises
     # this ValueError (no year means 1900).
@@ -51,6 +73,25 @@ def test_lazily_imported_stdlib_modules_have_a_file(sandbox: wasibox.Sandbox) ->
     assert lines[0] == "<stdlib>/_strptime.py <stdlib>/colorsys.py <stdlib>/email/mime/text.py"
     assert lines[1].startswith("ValueError day 29 must be in range")
     assert lines[2] == "29"
+
+
+def test_tracebacks_and_inspect_show_stdlib_source(sandbox: wasibox.Sandbox) -> None:
+    # test_contextlib compares the lines of a traceback through contextlib (preloaded into
+    # the snapshot); colorsys is imported lazily, from the packed stdlib.
+    result = sandbox.run(textwrap.dedent("""
+        import colorsys, contextlib, inspect, traceback
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.callback(lambda: 1 / 0)
+        except ZeroDivisionError as exc:
+            print([frame.line for frame in traceback.extract_tb(exc.__traceback__)])
+        print(inspect.getsource(colorsys.rgb_to_yiq).splitlines()[0])
+    """))
+    assert result.ok, result.error
+    assert result.stdout.splitlines() == [
+        "['with contextlib.ExitStack() as stack:', 'raise exc', 'if cb(*exc_details):', "
+        "'callback(*args, **kwds)', 'stack.callback(lambda: 1 / 0)']",
+        "def rgb_to_yiq(r, g, b):"]
 
 
 def test_file_errors_carry_no_internal_context_and_unittest_reports_them(

@@ -107,8 +107,9 @@ def test_the_guest_sees_no_environment_arguments_or_host_directory(
     r = sb.call("import os, sys\ndef f():\n    try:\n        cwd = os.getcwd()\n"
                 "    except OSError:\n        cwd = None\n"
                 "    return [dict(os.environ), sys.argv, sys.orig_argv, sys.path, cwd]", "f")
-    # argv is [''], as for `python -c` (argparse needs argv[0]); nothing of the host's.
-    assert r == [{}, [""], [], [], "/"]
+    # argv and sys.path are [''], as for `python -c` (argparse needs argv[0]); nothing of
+    # the host's.
+    assert r == [{}, [""], [], [""], "/"]
     host.assert_unaffected(sb)
 
 
@@ -154,7 +155,7 @@ sys.path.append({CANARY!r})
     probe = sb.run("import builtins, json, os, sys\n"
                    "print(hasattr(builtins, 'SECRET'), hasattr(json, 'SECRET'),\n"
                    "      'planted' in sys.modules, 'SECRET' in os.environ, sys.path)")
-    assert probe.stdout == "False False False False []\n"
+    assert probe.stdout == "False False False False ['']\n"
     host.assert_unaffected(sb)
 
 

@@ -109,12 +109,12 @@ async def core_cases(client: Client, loopback_port: int) -> None:
     """The behaviour every transport must show, on one connected client."""
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
     assert set(tools) == {"run_python", "write_file", "read_file", "list_files",
-                          "call_function"}
+                          "call_function", "reset"}
     run = tools["run_python"]
     assert run.input_schema["required"] == ["code"]
     assert run.input_schema["properties"]["code"]["type"] == "string"
     assert "timeout_s" in run.input_schema["properties"]
-    assert "FRESH interpreter" in (run.description or "")
+    assert "State PERSISTS between calls" in (run.description or "")
     assert set(tools["write_file"].input_schema["required"]) == {"path", "content"}
 
     call = tools["call_function"]
@@ -178,7 +178,7 @@ async def core_cases(client: Client, loopback_port: int) -> None:
     assert "CapabilityDenied" in report
     assert "denied: http" in report and "169.254.169.254" in report
 
-    # Files written by code are readable with read_file; state does not carry over.
+    # Files written by code are readable with read_file; state carries over until reset.
     code = (
         "import os\nos.makedirs('/workspace/out', exist_ok=True)\n"
         "open('/workspace/out/result.txt', 'w').write('42\\n')\nx = 1")
@@ -186,6 +186,8 @@ async def core_cases(client: Client, loopback_port: int) -> None:
     assert text(await client.call_tool("read_file", {"path": "out/result.txt"})) == "42\n"
     assert text(await client.call_tool("read_file",
                                        {"path": "/workspace/out/result.txt"})) == "42\n"
+    assert "\n1\n" in text(await client.call_tool("run_python", {"code": "print(x)"}))
+    assert "was reset" in text(await client.call_tool("reset", {}))
     assert "NameError" in text(await client.call_tool("run_python", {"code": "print(x)"}))
     written = await client.call_tool("write_file", {"path": "in.txt", "content": "hello"})
     assert not written.is_error
@@ -297,10 +299,14 @@ def test_streamable_http(config: Path, tmp_path: Path, loopback_port: int) -> No
 def test_http_sessions_have_separate_workspaces(config: Path, tmp_path: Path) -> None:
     async def session(url: str, name: str) -> tuple[str, str]:
         async with http_client(url) as client:
-            code = f"open('/workspace/{name}.txt', 'w').write('{name}')"
+            code = f"open('/workspace/{name}.txt', 'w').write('{name}')\nwho = '{name}'"
             assert "status: ok" in text(await client.call_tool("run_python", {"code": code}))
             listing = text(await client.call_tool("list_files", {}))
             mine = text(await client.call_tool("read_file", {"path": f"{name}.txt"}))
+            # Each session has its own interpreter, which keeps its own variables.
+            await asyncio.sleep(0.2)
+            kept = text(await client.call_tool("run_python", {"code": "print(who)"}))
+            assert f"\n{name}\n" in kept, kept
             return listing, mine
 
     async def main(url: str) -> None:
@@ -589,7 +595,7 @@ def test_call_function_is_listed_only_when_functions_are_configured() -> None:
         return {tool.name for tool in (await client.list_tools()).tools}
 
     assert in_process(agent_policy(), names) == {
-        "run_python", "write_file", "read_file", "list_files"}
+        "run_python", "reset", "write_file", "read_file", "list_files"}
     assert "call_function" in in_process(agent_policy(functions={"add": FUNCTIONS["add"]}),
                                          names)
 
@@ -654,7 +660,8 @@ def test_a_workspace_in_use_by_a_run_is_not_idle() -> None:
         assert "files written: /workspace/after.txt, /workspace/before.txt" in report \
             or "files written: /workspace/before.txt, /workspace/after.txt" in report, report
 
-    in_process(agent_policy(clock="real"), main, store)
+    # Per-run publishing is the sessionless mode's (a session publishes when it ends).
+    in_process(agent_policy(clock="real", sessions={"enabled": False}), main, store)
 
 
 def test_readme_policy_and_client_registration_are_valid() -> None:
@@ -700,13 +707,61 @@ def test_a_cancelled_tool_call_stops_its_run() -> None:
     in_process(policy, main)
 
 
+def test_run_python_keeps_state_until_reset_or_a_limit() -> None:
+    policy = agent_policy(limits={"fuel": 50_000_000, "timeout_s": 4})
+
+    async def main(client: Client) -> None:
+        async def run(code: str) -> dict[str, Any]:
+            result = await client.call_tool("run_python", {"code": code})
+            assert not result.is_error and result.structured_content is not None
+            return result.structured_content
+
+        assert (await run("import json\nrows = [1, 2]"))["status"] == "ok"
+        assert (await run("rows.append(3)\nprint(json.dumps(rows))"))["stdout"] == "[1, 2, 3]\n"
+        # A file left open by one call is still open in the next.
+        assert (await run("log = open('/workspace/log.txt', 'w')\nlog.write('a')"))["status"] \
+            == "ok"
+        assert (await run("log.write('b')\nlog.flush()"))["status"] == "ok"
+        assert text(await client.call_tool("read_file", {"path": "log.txt"})) == "ab"
+        # A limit ends the interpreter, and both that call and the next one say so.
+        stopped = await run("while True: pass")
+        assert stopped["limit"] == "fuel"
+        assert any("ended the Python session" in note for note in stopped["notes"])
+        fresh = await run("print('rows' in dir())")
+        assert fresh["stdout"] == "False\n"
+        assert any("previous Python session ended" in note and "fuel" in note
+                   for note in fresh["notes"])
+        # The files it wrote were kept (published when the interpreter ended).
+        assert text(await client.call_tool("read_file", {"path": "log.txt"})) == "ab"
+        # reset ends the interpreter on request.
+        assert (await run("kept = 1"))["status"] == "ok"
+        assert "was reset" in text(await client.call_tool("reset", {}))
+        again = await run("print('kept' in dir())")
+        assert again["stdout"] == "False\n" and again["notes"] == []
+
+    in_process(policy, main)
+
+
+def test_sessions_can_be_turned_off() -> None:
+    async def main(client: Client) -> None:
+        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+        assert "reset" not in tools
+        assert "FRESH interpreter" in (tools["run_python"].description or "")
+        await client.call_tool("run_python", {"code": "x = 1"})
+        result = await client.call_tool("run_python", {"code": "print(x)"})
+        assert "NameError" in text(result)
+
+    in_process(agent_policy(sessions={"enabled": False}), main)
+
+
 def test_help_names_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
     from wasibox._cli import main
 
     with pytest.raises(SystemExit):
         main(["mcp", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
-    for tool in ("run_python", "write_file", "read_file", "list_files", "call_function"):
+    for tool in ("run_python", "reset", "write_file", "read_file", "list_files",
+                 "call_function"):
         assert tool in usage
     assert "--idle-timeout" in usage
 
@@ -734,7 +789,8 @@ def test_stdio_without_a_config_is_a_safe_server(tmp_path: Path) -> None:
         async with Client(stdio_params(tmp_path / "tmp"), read_timeout_seconds=60) as client:
             tools = {tool.name: tool for tool in (await client.list_tools()).tools}
             # No host functions, so no call_function tool.
-            assert set(tools) == {"run_python", "write_file", "read_file", "list_files"}
+            assert set(tools) == {"run_python", "reset", "write_file", "read_file",
+                                  "list_files"}
             assert tools["run_python"].output_schema is not None
             result = await client.call_tool("run_python", {"code": "print(6 * 7)"})
             assert result.structured_content is not None
@@ -788,7 +844,9 @@ def test_the_readme_agent_toml_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_run_python_returns_structured_content() -> None:
-    policy = agent_policy(limits={"fuel": 20_000_000, "timeout_s": 4})
+    # Sessions off: each run reports the files it published.
+    policy = agent_policy(limits={"fuel": 20_000_000, "timeout_s": 4},
+                          sessions={"enabled": False})
 
     async def main(client: Client) -> None:
         async def run(code: str) -> dict[str, Any]:

@@ -121,6 +121,17 @@ class Server:
         self.process.stderr.close()
 
 
+def serving(config: Path) -> Iterator[Server]:
+    """A live server for ``config`` until the generator is closed; then it must have
+    stopped cleanly."""
+    live = Server(config)
+    yield live
+    live.stop()
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: that exit is the normal one.
+    assert live.process.returncode in (0, -signal.SIGTERM), "".join(live.lines)
+    assert "Traceback" not in "".join(live.lines)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("serve")
@@ -130,12 +141,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (root / "out").mkdir()
     config = root / "wasibox.toml"
     config.write_text(CONFIG)
-    live = Server(config)
-    yield live
-    live.stop()
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: that exit is the normal one.
-    assert live.process.returncode in (0, -signal.SIGTERM), "".join(live.lines)
-    assert "Traceback" not in "".join(live.lines)
+    yield from serving(config)
 
 
 @pytest.fixture(scope="module")

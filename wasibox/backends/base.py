@@ -3,6 +3,10 @@
 A backend needs only the names here: it gets a ``Job`` (and a ``RunControl`` to report its
 phases and hear cancellation) and returns an ``Outcome``. ``backends/fake.py`` is the
 smallest complete one.
+
+A backend that can keep one guest alive across calls (``wasibox.Session``) also implements
+``open_session``, which returns a ``BackendSession``: the same ``run(job, control) ->
+Outcome``, each call in the *same* guest, until ``close``.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._control import RunControl
+from .._errors import UsageError
 from .._limits import Limits
 from .._result import Outcome
 from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
+    from .._journal import Tape
     from ..capabilities.files.mount import Mount
     from ..capabilities.files.session import FileSession
 
-__all__ = ["Backend", "Job", "Outcome", "Policy", "RunControl"]
+__all__ = ["Backend", "BackendSession", "Job", "Outcome", "Policy", "RunControl"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +86,13 @@ class Job:
     argv: tuple[str, ...] | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     stdin: bytes | None = None
+    #: The journal tape of this call (``Sandbox.run(journal=...)``, ``wasibox.replay``), or
+    #: None. A backend that supports journals records every value it hands the guest on it
+    #: or, when the tape is replaying, serves the recorded value instead of asking the host.
+    tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: A call of a ``wasibox.Session``: the guest runs ``code`` in the namespace the
+    #: session's earlier calls left (the first call makes it), and leaves its files open.
+    session: bool = False
 
     def request(self) -> dict[str, Any]:
         """The wire request for the guest runner (see wasibox/_wire.py)."""
@@ -99,6 +112,7 @@ class Job:
                 "path": list(self.python_path), "env": dict(self.env), "stdin": self.stdin}
                if self.argv is not None or self.python_path or self.env
                or self.stdin is not None else {}),
+            **({"session": True} if self.session else {}),
         }
 
 
@@ -121,6 +135,17 @@ class Backend(abc.ABC):
         ``Limit.CANCELLED``; the guest instance is discarded either way.
         """
 
+    def open_session(self, limits: Limits, policy: Policy,
+                     files: FileSession | None) -> BackendSession:
+        """Start one guest that will serve every call of a ``wasibox.Session``.
+
+        ``limits.memory_bytes`` caps the guest's memory for its whole life; ``files`` is
+        the session's view of ``policy.mounts`` (None without mounts), used by every call.
+        Raises UsageError if this backend keeps no sessions (the default).
+        """
+        raise UsageError(f"the {self.name} backend cannot keep a session's guest alive; "
+                         "use the wasm or microvm backend")
+
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release the backend's resources. Safe to call more than once."""
 
@@ -129,3 +154,31 @@ class Backend(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class BackendSession(abc.ABC):
+    """One guest kept alive for the calls of a ``wasibox.Session``, one call at a time.
+
+    ``run`` has ``Backend.execute``'s contract, except that every job (each with
+    ``job.session`` set) runs in the same guest, which keeps its state between calls. It is
+    called from one thread at a time. ``alive`` turns False, for good, once the guest can
+    take no further call (it trapped, exited, was interrupted mid-call, or was closed);
+    ``close`` is idempotent and frees the guest.
+    """
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Whether the guest can take another call."""
+
+    @abc.abstractmethod
+    def run(self, job: Job, control: RunControl | None = None) -> Outcome:
+        """Run ``job`` in the session's guest and report what happened.
+
+        Never raises for what the guest does. A job cancelled before the guest began it
+        reports ``Limit.CANCELLED`` and leaves the guest ``alive``.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the guest. Safe to call more than once."""

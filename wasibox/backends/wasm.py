@@ -58,7 +58,7 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from .._control import RunControl, RunState
-from .._errors import GuestBuildError, UsageError
+from .._errors import GuestBuildError, JournalError, UsageError
 from .._events import CapabilityEvent
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
 from .._limits import Limit, Limits
@@ -72,7 +72,7 @@ from ._native import NativeBuild
 from ._native import load as load_native
 from ._slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from ._stack import call_with_stack
-from .base import Backend, Job, Policy
+from .base import Backend, BackendSession, Job, Policy
 
 __all__ = ["WasmBackend", "WasmRuntime", "doctor_rows", "runtime"]
 
@@ -145,7 +145,8 @@ class _Run:
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
                  "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
-                 "fault", "exit_code", "started", "log", "host_calls", "cancelled")
+                 "fault", "exit_code", "started", "log", "host_calls", "cancelled",
+                 "clock_base_ns")
     #: Whether Python serves this run's entropy (seeded by ``rng``); the native path's is C's.
     python_entropy = True
 
@@ -165,6 +166,9 @@ class _Run:
         #: Set (with ``cancel``) by ``interrupt``, from any thread, when the caller cancels.
         self.cancelled = False
         self.slept_ns = 0
+        #: Virtual time that passed before this run: a session's earlier calls, so that its
+        #: clocks never go back from one call to the next.
+        self.clock_base_ns = 0
         self.started = False
         policy = job.policy
         self.rng = (random.Random(policy.seed)
@@ -203,27 +207,35 @@ class _Run:
 
     def monotonic_ns(self, context: Any) -> int:
         if self.job.policy.clock == "real":
-            return time.monotonic_ns()
-        return self.virtual_ns(context)
+            now: int = _taped(self, "clock.monotonic", (), time.monotonic_ns)
+            return now
+        return self.clock_base_ns + self.virtual_ns(context)
 
     def wall_ns(self, context: Any) -> int:
         if self.job.policy.clock == "real":
-            return time.time_ns()
-        return VIRTUAL_EPOCH_S * 10**9 + self.virtual_ns(context)
+            now: int = _taped(self, "clock.wall", (), time.time_ns)
+            return now
+        return VIRTUAL_EPOCH_S * 10**9 + self.clock_base_ns + self.virtual_ns(context)
 
     def wait(self, context: Any, ns: int) -> None:
         """Block for ``ns`` of guest time, or trap with a timeout at the deadline."""
         if self.job.policy.clock == "real":
-            remaining = self.deadline - time.monotonic()
-            if ns / 1e9 >= remaining:
-                self.cancel.wait(max(remaining, 0.0))
-                self.stop(Limit.CANCELLED if self.cancelled else Limit.TIMEOUT)
-            if self.cancel.wait(ns / 1e9) and self.cancelled:
-                self.stop(Limit.CANCELLED)
+            # Journaled, so that a replay neither waits nor ends the run elsewhere.
+            _taped(self, "clock.wait", (ns,), lambda: self._wait_real(ns))
             return
         self.slept_ns += ns
         if self.virtual_ns(context) > self.job.limits.timeout_s * 1e9:
             self.stop(Limit.TIMEOUT)
+
+    def _wait_real(self, ns: int) -> None:
+        """Wait ``ns`` of real time, cut short (and the run stopped) by the deadline or a
+        cancel."""
+        remaining = self.deadline - time.monotonic()
+        if ns / 1e9 >= remaining:
+            self.cancel.wait(max(remaining, 0.0))
+            self.stop(Limit.CANCELLED if self.cancelled else Limit.TIMEOUT)
+        if self.cancel.wait(ns / 1e9) and self.cancelled:
+            self.stop(Limit.CANCELLED)
 
     def would_block_past_deadline(self, context: Any, ns: int) -> bool:
         if self.job.policy.clock == "real":
@@ -240,10 +252,18 @@ class _Run:
                 type="OSError", traceback="",
                 message=f"an entropy request is limited to {MAX_ENTROPY_CALL_BYTES} bytes")
             raise wasmtime.WasmtimeError("wasibox: oversized entropy request refused")
-        return self.rng.randbytes(size) if self.rng else os.urandom(size)
+        if self.rng:
+            return self.rng.randbytes(size)
+        text: str = _taped(self, "entropy.bytes", (size,),
+                           lambda: os.urandom(size).decode("latin-1"))
+        return text.encode("latin-1")
 
     def random_u64(self) -> int:
-        return self.rng.getrandbits(64) if self.rng else int.from_bytes(os.urandom(8), "little")
+        if self.rng:
+            return self.rng.getrandbits(64)
+        value: int = _taped(self, "entropy.u64", (),
+                            lambda: int.from_bytes(os.urandom(8), "little"))
+        return value
 
     # -- host functions and HTTP ---------------------------------------------------------
     def host_call(self, name: str, payload: str) -> cm.Variant:
@@ -254,11 +274,17 @@ class _Run:
                 functions=policy.functions, limits=self.job.limits,
                 http=HttpGate(policy.http) if policy.http is not None else None,
                 cancel=self.cancel, log=self.log)
-        try:
-            reply = self.host_calls.handle(name, payload, self.deadline)
-        except StopRun as stop:  # a host function's wait is cut short by a cancel too
-            self.stop(Limit.CANCELLED if self.cancelled else stop.limit)
-        return cm.Variant("ok" if reply.ok else "err", reply.payload)
+        calls = self.host_calls
+
+        def answer() -> list[Any]:
+            try:
+                reply = calls.handle(name, payload, self.deadline)
+            except StopRun as stop:  # a host function's wait is cut short by a cancel too
+                self.stop(Limit.CANCELLED if self.cancelled else stop.limit)
+            return ["ok" if reply.ok else "err", reply.payload]
+
+        tag, reply_payload = _taped(self, "host.call", (name, payload), answer)
+        return cm.Variant(tag, reply_payload)
 
     # -- stopping -------------------------------------------------------------------------
     def interrupt(self) -> None:
@@ -332,6 +358,81 @@ def _address(pointer: Any) -> int:
     if address is None:
         raise UsageError("a null Wasmtime pointer")
     return address
+
+
+def _taped(run: _Run, kind: str, args: tuple[Any, ...], produce: Callable[[], Any]) -> Any:
+    """``produce()``: a value handed to the guest, through the run's journal tape if any.
+
+    Recording, the value (or the limit that ``produce`` stopped the run with) is taped; on a
+    replay the taped answer is served and ``produce`` never runs, so the host is not asked,
+    except that a restored session performs its file operations again (``redo_files``).
+    A replay whose guest asks for something else than the journal holds traps, with a
+    ``ReplayDiverged`` fault saying where.
+    """
+    tape = run.job.tape
+    if tape is None:
+        return produce()
+    if tape.replaying:
+        try:
+            status, value = tape.serve(kind, args)
+            if status == "ok" and not _servable(kind, value):
+                # Checked here: a value wasmtime-py cannot lower would fail inside its
+                # trampoline, whose error is parked in a process-global (see _host).
+                tape.refuse(kind, value)
+            if tape.redo_files and kind.startswith("files.") and status == "ok":
+                tape.check_redone(kind, value, produce())
+        except JournalError as exc:
+            run.fault = run.fault or GuestException(type="ReplayDiverged", message=str(exc),
+                                                    traceback="")
+            raise wasmtime.WasmtimeError("wasibox: the replay left its journal") from None
+        if status == "stop":
+            run.stop(value)
+        return value
+    try:
+        value = produce()
+    except wasmtime.WasmtimeError:
+        if run.limit is not None:
+            tape.record(kind, args, "stop", run.limit.value)
+        raise
+    tape.record(kind, args, "ok", value)
+    return value
+
+
+#: The WIT error-code names of the files interface (capabilities/files/files.wit).
+_FILE_ERRORS = frozenset({
+    "noent", "exist", "notdir", "isdir", "notempty", "loop", "acces", "perm", "rofs", "xdev",
+    "inval", "badf", "mfile", "nospc", "dquot", "nametoolong", "io", "nxio", "fbig"})
+#: What each files operation answers when it succeeds: a descriptor or a count (int), text
+#: (str), or nothing.
+_FILE_RESULTS: dict[str, type] = {
+    "open": int, "dup": int, "write": int, "pwrite": int, "seek": int,
+    "read": str, "pread": str, "fstat": str, "stat": str, "readdir": str, "readlink": str}
+
+
+def _servable(kind: str, value: Any) -> bool:
+    """Whether a journal's ``value`` is what the boundary call ``kind`` hands the guest."""
+    def word(number: Any) -> bool:
+        return type(number) is int and 0 <= number <= _U64_MAX
+
+    if kind in ("clock.monotonic", "clock.wall", "entropy.u64"):
+        return word(value)
+    if kind == "clock.wait":
+        return value is None
+    if kind == "entropy.bytes":
+        return type(value) is str and all(ord(char) <= 0xFF for char in value)
+    if not (type(value) is list and len(value) == 2 and value[0] in ("ok", "err")):
+        return False
+    tag, payload = value
+    if kind == "host.call":
+        return type(payload) is str
+    method = kind.removeprefix("files.")
+    if tag == "err":
+        return payload in _FILE_ERRORS
+    wanted = _FILE_RESULTS.get(method)
+    if wanted is int:
+        return word(payload) and (method not in ("open", "dup", "write", "pwrite")
+                                  or payload <= 0xFFFFFFFF)
+    return payload is None if wanted is None else type(payload) is wanted
 
 
 _U64_MAX = 2**64 - 1
@@ -434,19 +535,24 @@ _FD_OPS = frozenset({"read", "write", "pread", "pwrite", "dup", "seek", "truncat
 def _file_op(method: str, tagged: bool) -> Any:
     """A files host function: FilesError becomes the WIT error-code, never a trap."""
 
-    def op(run: _Run, context: Any, *args: Any) -> Any:
+    def answer(run: _Run, args: tuple[Any, ...]) -> list[Any]:
         session: FileSession | None = run.job.files
         try:
             if session is None:  # no mounts: nothing exists
                 raise FilesError("badf" if method in _FD_OPS else "noent")
             value = getattr(session, method)(*args)
         except FilesError as exc:
-            return cm.Variant("err", exc.code) if tagged else exc.code
+            return ["err", exc.code]
         except OSError:  # the host's own disk failed under the operation
-            return cm.Variant("err", "io") if tagged else "io"
-        if isinstance(value, StatInfo):
-            value = value.encode()
-        return cm.Variant("ok", value) if tagged else value
+            return ["err", "io"]
+        return ["ok", value.encode() if isinstance(value, StatInfo) else value]
+
+    kind = f"files.{method}"
+
+    def op(run: _Run, context: Any, *args: Any) -> Any:
+        tag, value = (answer(run, args) if run.job.tape is None
+                      else _taped(run, kind, args, lambda: answer(run, args)))
+        return cm.Variant(tag, value) if tagged else value
 
     return op
 
@@ -911,79 +1017,160 @@ class WasmBackend(Backend):
     def min_memory_bytes(self) -> int:
         return self._runtime.min_memory_bytes
 
+    @property
+    def guest_digest(self) -> str:
+        """The digest of the guest this backend runs: a journal's replay needs the same."""
+        return self._runtime.artifact.digest
+
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         rt = self._runtime
         control = control or RunControl()
-        if job.limits.memory_bytes < rt.min_memory_bytes:
-            raise UsageError(
-                f"memory_bytes={job.limits.memory_bytes} is below the guest's minimum of "
-                f"{rt.min_memory_bytes} bytes ({rt.min_memory_bytes / 2**20:.1f} MiB)")
+        self._check_memory(job.limits)
         started = time.perf_counter()
         control.enter(RunState.INSTANTIATING)
-        fields = job.request()
-        compiled = self._compiler.compile(job)
-        if compiled is not None:
-            fields["compiled"] = compiled
-        try:
-            request = encode_request(fields)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        request = self._request(job)
         preopens = job.files.preopens() if job.files is not None else []
+        # A journaled run granted the real clock or entropy takes the Python path, where
+        # those values are served by Python and so can be taped (the native path's are C's).
+        run_path = ("python" if job.tape is not None and not job.policy.deterministic
+                    else self.run_path)
         try:
             # The pool holds instances for the runtime's own path, without preopens, only.
-            store, execute = (rt.take() if self.run_path == rt.run_path and not preopens
-                              else rt.instantiate(self.run_path, preopens))
+            store, execute = (rt.take() if run_path == rt.run_path and not preopens
+                              else rt.instantiate(run_path, preopens))
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
-        native = rt.native.module if self.run_path == "native" else None
+        native = rt.native.module if run_path == "native" else None
         run = _Run(job, store) if native is None else _NativeRun(job, store, native)
-        store.set_fuel(job.limits.fuel)
         store.set_limits(memory_size=job.limits.memory_bytes)
-        reply: str | None = None
-        exit_code: int | None = None
-        control.enter(RunState.RUNNING)
-        detach = control.on_cancel(run.interrupt)
-        with rt.ticker:
-            if native is None:  # the native path's C callback was set when it was made
-                ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
-                                                           None, _NO_FINALIZER)
-            store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
-            run.deadline = time.monotonic() + job.limits.timeout_s
-            try:
-                if run.cancelled:  # cancelled while instantiating: skip the guest entirely
-                    run.stop(Limit.CANCELLED)
-                # Not a closure: the store must be dropped by whoever ``release`` hands it to.
-                reply = call_with_stack(functools.partial(_call_guest, run, execute, request),
-                                        MIN_HOST_STACK)
-            except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
-                exit_code = _classify(run, store, exc)
-            finally:
-                detach()
-        duration = time.perf_counter() - started
-        try:
-            fuel_used = job.limits.fuel - store.get_fuel()
-        except wasmtime.WasmtimeError:
-            fuel_used = job.limits.fuel
-        outcome = Outcome(
-            reply=reply,
-            stdout=bytes(run.stdout),
-            stderr=bytes(run.stderr),
-            stdout_truncated=run.stdout_truncated,
-            stderr_truncated=run.stderr_truncated,
-            limit_exceeded=run.limit,
-            fault=run.fault if run.limit is None else None,
-            exit_code=exit_code,
-            fuel_used=fuel_used,
-            memory_peak_bytes=rt.min_memory_bytes,
-            memory_limit_bytes=job.limits.memory_bytes,
-            duration_s=duration,
-            capability_log=tuple(run.log),
-        )
+        outcome = _call(rt, run, execute, request, control, started)
         used: list[object] = [store, execute, run]
         del store, execute, run
         # Last: making an instance would slow this run's remaining ctypes calls.
         rt.release(used)
         return outcome
+
+    def open_session(self, limits: Limits, policy: Policy,
+                     files: FileSession | None) -> BackendSession:
+        """One instance kept for a session's calls, on the Python run path (the native path
+        is built around fresh instances); raises UsageError for a memory cap below the
+        guest's minimum, GuestBuildError if the guest cannot be instantiated."""
+        self._check_memory(limits)
+        return _WasmSession(self, limits, policy)
+
+    def _check_memory(self, limits: Limits) -> None:
+        minimum = self._runtime.min_memory_bytes
+        if limits.memory_bytes < minimum:
+            raise UsageError(
+                f"memory_bytes={limits.memory_bytes} is below the guest's minimum of "
+                f"{minimum} bytes ({minimum / 2**20:.1f} MiB)")
+
+    def _request(self, job: Job) -> str:
+        """The job's encoded request, with its compiled program when it compiles."""
+        fields = job.request()
+        compiled = self._compiler.compile(job)
+        if compiled is not None:
+            fields["compiled"] = compiled
+        try:
+            return encode_request(fields)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+
+
+def _call(rt: WasmRuntime, run: _Run, execute: Any, request: str, control: RunControl,
+          started: float) -> Outcome:
+    """Make one call into an instance under ``run.job``'s limits, and measure it."""
+    job, store = run.job, run.store
+    store.set_fuel(job.limits.fuel)
+    reply: str | None = None
+    exit_code: int | None = None
+    control.enter(RunState.RUNNING)
+    detach = control.on_cancel(run.interrupt)
+    with rt.ticker:
+        if not isinstance(run, _NativeRun):  # the native path's C callback was set when made
+            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
+                                                       None, _NO_FINALIZER)
+        store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
+        run.deadline = time.monotonic() + job.limits.timeout_s
+        try:
+            if run.cancelled:  # cancelled while instantiating: skip the guest entirely
+                run.stop(Limit.CANCELLED)
+            # Not a closure: the store must be dropped by whoever ``release`` hands it to.
+            reply = call_with_stack(functools.partial(_call_guest, run, execute, request),
+                                    MIN_HOST_STACK)
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            exit_code = _classify(run, store, exc)
+        finally:
+            detach()
+    duration = time.perf_counter() - started
+    try:
+        fuel_used = job.limits.fuel - store.get_fuel()
+    except wasmtime.WasmtimeError:
+        fuel_used = job.limits.fuel
+    return Outcome(
+        reply=reply,
+        stdout=bytes(run.stdout),
+        stderr=bytes(run.stderr),
+        stdout_truncated=run.stdout_truncated,
+        stderr_truncated=run.stderr_truncated,
+        limit_exceeded=run.limit,
+        fault=run.fault if run.limit is None else None,
+        exit_code=exit_code,
+        fuel_used=fuel_used,
+        memory_peak_bytes=rt.min_memory_bytes,
+        memory_limit_bytes=job.limits.memory_bytes,
+        duration_s=duration,
+        capability_log=tuple(run.log),
+    )
+
+
+class _WasmSession(BackendSession):
+    """One instance serving a session's calls, each under its own fuel and deadline.
+
+    The store's memory cap is the session's, for its whole life (linear memory never
+    shrinks). The virtual clock and the seeded entropy stream run on from one call to the
+    next, as they would in one long program. Any call that does not return normally (a trap,
+    an exit, a limit enforced by trapping, a cancel) leaves the instance unusable: wasmtime
+    refuses to re-enter it, so the session is over.
+    """
+
+    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy) -> None:
+        self._backend = backend
+        self._runtime = backend._runtime
+        self._store: wasmtime.Store | None
+        try:
+            self._store, self._execute = self._runtime.instantiate("python")
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
+        self._store.set_limits(memory_size=limits.memory_bytes)
+        self._rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+        self._clock_ns = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._store is not None
+
+    def run(self, job: Job, control: RunControl | None = None) -> Outcome:
+        control = control or RunControl()
+        started = time.perf_counter()
+        store = self._store
+        if store is None:
+            raise UsageError("this session's guest is gone; open a new session")
+        if control.cancelled:
+            return Outcome(limit_exceeded=Limit.CANCELLED)
+        request = self._backend._request(job)
+        run = _Run(job, store)
+        run.rng = self._rng
+        run.clock_base_ns = self._clock_ns
+        outcome = _call(self._runtime, run, self._execute, request, control, started)
+        self._clock_ns += outcome.fuel_used + run.slept_ns
+        if outcome.reply is None:
+            self.close()  # trapped or exited: wasmtime will not enter this instance again
+        return outcome
+
+    def close(self) -> None:
+        # Dropping the references frees the instance (and its memory slot) with its store.
+        self._store = self._execute = None
 
 
 class _Compiler:

@@ -20,6 +20,7 @@ Example::
     backend = "auto"                 # or "wasm", "microvm"; and allow_emulation = true|false
     python_path = ["/data/lib"]      # guest directories first on sys.path
     packages = ["attrs"]             # pure-Python wheels, built into the tenant's guest
+    sessions = { max_sessions = 4, idle_timeout_s = 600 }   # live interpreters (/v1/sessions)
 
     [[tenants.alice.mounts]]
     host = "data"                    # relative to the directory of this file
@@ -50,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import ConfigError, UsageError
 from .._limits import Limits, parse_size
+from .._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S
 from ..capabilities.files.mount import Mount
 from ..capabilities.http import HttpPolicy
 
@@ -60,6 +62,7 @@ __all__ = [
     "MountConfig",
     "RateLimitConfig",
     "ServerConfig",
+    "SessionsConfig",
     "TenantConfig",
     "hash_token",
     "load_config",
@@ -217,6 +220,28 @@ class HttpConfig(_Strict):
             raise ValueError(str(exc)) from None
 
 
+class SessionsConfig(_Strict):
+    """Live sessions (``wasibox.Session``): ``/v1/sessions`` in ``wasibox serve``, and the
+    interpreter that ``run_python`` keeps from call to call in ``wasibox mcp``."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Whether this tenant may keep sessions. On: `run_python` in `wasibox "
+                    "mcp` keeps its variables from one call to the next (a `reset` tool "
+                    "starts afresh), and `wasibox serve` offers `/v1/sessions`. Off: every "
+                    "run starts from the snapshot.")
+    idle_timeout_s: float = Field(
+        default=DEFAULT_IDLE_TIMEOUT_S, gt=0, allow_inf_nan=False,
+        description="A session with no call for this long ends and frees its guest.")
+    max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S, gt=0, allow_inf_nan=False,
+        description="A session ends this long after it opened, however busy.")
+    max_sessions: int = Field(
+        default=4, ge=1, le=1000,
+        description="Sessions this tenant may hold open at once (each keeps a guest, up to "
+                    "`limits.memory_bytes`, alive); past it, `wasibox serve` answers 429.")
+
+
 class TenantConfig(_Strict):
     """One tenant: its credential, its policy and its share of the service.
 
@@ -255,6 +280,7 @@ class TenantConfig(_Strict):
     package_index_url: str | None = None
     #: ...and whether to use only package_find_links.
     package_no_index: bool = False
+    sessions: SessionsConfig = SessionsConfig()
 
     @pydantic.field_validator("token_sha256")
     @classmethod

@@ -28,6 +28,8 @@ __all__ = ["MEANINGS", "config_reference"]
 #: What each key means, by TOML path (``NAME`` stands for a tenant's name).
 MEANINGS = {
     "server.max_body_bytes": "Largest request body `wasibox serve` reads; larger ones get 413.",
+    "tenants.NAME.sessions": "Live sessions, whose state persists across calls (the table "
+                             "below).",
     "tenants.NAME.limits": "Per-run limits of this tenant's runs (the table below).",
     "tenants.NAME.backend": "Where runs execute: `auto` takes the microVM only for code that "
                             "needs it (numpy, pandas), `wasm` never, `microvm` always.",

@@ -12,8 +12,15 @@ receives name the configuration keys the operator can change, never a Python API
 cannot call.
 
 Sessions. Every MCP session gets its own workspace directory, mounted writable at
-``/workspace`` in each run, so files persist from call to call; every ``run_python`` still
-gets a fresh interpreter. Over stdio the process is the session. Over streamable HTTP the
+``/workspace``, so files persist from call to call. When the policy enables sessions
+(``[tenants.NAME.sessions] enabled``, on by default), every MCP session also gets one live
+interpreter (a ``wasibox.Session``): ``run_python`` calls share its variables, imports and open
+files, as an agent used to a notebook expects, and a ``reset`` tool ends it. A call that
+exceeds a limit ends that interpreter; its result says so, and the next ``run_python`` starts
+a fresh one and says so in a note (never silently). While it lives, its writes to /workspace
+are staged in its own view, which the file tools read and write, and published when it ends.
+With sessions off, every ``run_python`` gets a fresh interpreter. Over stdio the process is
+the session. Over streamable HTTP the
 session is the transport's session id (``Mcp-Session-Id``); a request that has none (the
 stateless 2026 protocol) runs code in a throw-away workspace, and the file tools say they need
 a session. Workspaces are deleted when their session ends, after ``idle_timeout_s`` without a
@@ -61,13 +68,14 @@ from .._errors import ConfigError, UsageError, WasiboxError
 from .._limits import Limit, Limits
 from .._result import RunResult, json_value
 from .._sandbox import Sandbox
+from .._session import Session
 from .._version import __version__
 from ..capabilities.files.mount import STAGING_DIR, Mount
 from ..capabilities.files.walk import DIR_FLAGS, Blocked, walk
 from ..capabilities.hostcall import HostCalls, StopRun, host_error_message
 from .config import Config, TenantConfig, load_config
 
-__all__ = ["McpPolicy", "RunReport", "WorkspaceStore", "call_host_function",
+__all__ = ["McpPolicy", "RunReport", "SessionPool", "WorkspaceStore", "call_host_function",
            "create_mcp_server", "describe_functions", "describe_result", "operator_message",
            "serve_mcp", "structured_result"]
 
@@ -140,6 +148,9 @@ class WorkspaceStore:
     def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="wasibox-mcp-"))
         self.idle_timeout_s = idle_timeout_s
+        #: Called with a session's key before its workspace is deleted (a live interpreter
+        #: holds a view of it).
+        self.on_drop: Callable[[str], object] = _ignore
         self._dirs: dict[str, tuple[Path, float]] = {}
         self._expired: set[str] = set()
         self._busy: dict[str, int] = {}  # runs using a session's workspace right now
@@ -200,6 +211,7 @@ class WorkspaceStore:
 
     def drop(self, key: str) -> None:
         """Delete the workspace of a session that ended."""
+        self.on_drop(key)
         with self._lock:
             entry = self._dirs.pop(key, None)
             self._expired.discard(key)
@@ -215,7 +227,8 @@ class WorkspaceStore:
             for key, _ in idle:
                 del self._dirs[key]
                 self._expired.add(key)
-        for _, path in idle:
+        for key, path in idle:
+            self.on_drop(key)
             shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
@@ -224,8 +237,83 @@ class WorkspaceStore:
         if self._sweeper is not threading.current_thread():
             self._sweeper.join()
         with self._lock:
+            keys = list(self._dirs)
             self._dirs.clear()
+        for key in keys:
+            self.on_drop(key)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _ignore(key: str) -> None:
+    return None
+
+
+class SessionPool:
+    """The live interpreter (``wasibox.Session``) of each MCP session, by session key.
+
+    Each has its own Sandbox under the policy, with the session's workspace at /workspace;
+    it is made by the first ``run_python`` and ends by ``reset``, by a limit, by the policy's
+    idle timeout or maximum age, or when its workspace is deleted. Thread-safe.
+    """
+
+    def __init__(self, policy: McpPolicy) -> None:
+        self._policy = policy
+        self._live: dict[str, tuple[Sandbox, Session]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, root: Path) -> tuple[Session, str | None]:
+        """The live session of ``key`` (made now if there is none), and a note for the model
+        if an earlier one had ended. Raises WasiboxError if it cannot be made."""
+        note = None
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None and entry[1].ended is None:
+                return entry[1], None
+            self._live.pop(key, None)
+        if entry is not None:
+            ended = entry[1]._ended
+            why = ended.detail if ended is not None else "it ended"
+            note = (f"the previous Python session ended ({why}); this call ran in a fresh "
+                    "interpreter: variables, imports and functions from earlier calls are "
+                    "gone, files in /workspace are kept")
+            entry[0].close()
+        options = self._policy.config.sessions
+        sandbox = self._policy.sandbox(root, self._policy.limits.timeout_s)
+        try:
+            session = sandbox.session(idle_timeout_s=options.idle_timeout_s,
+                                      max_age_s=options.max_age_s, publish="always")
+        except BaseException:
+            sandbox.close()
+            raise
+        with self._lock:
+            racing = self._live.get(key)
+            if racing is not None and racing[1].ended is None:
+                sandbox.close()  # a concurrent call made one first: use it
+                return racing[1], note
+            self._live[key] = (sandbox, session)
+        return session, note
+
+    def view(self, key: str | None) -> Path | None:
+        """Where the live session of ``key`` sees /workspace (its staged view), or None."""
+        with self._lock:
+            entry = self._live.get(key) if key is not None else None
+        return entry[1]._view(WORKSPACE) if entry is not None else None
+
+    def drop(self, key: str) -> bool:
+        """End the session of ``key``, publishing its workspace files; True if one lived."""
+        with self._lock:
+            entry = self._live.pop(key, None)
+        if entry is None:
+            return False
+        live = entry[1].ended is None
+        entry[0].close()
+        return live
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._live = list(self._live.values()), {}
+        for sandbox, _ in entries:
+            sandbox.close()
 
 
 # -- results a model can act on ---------------------------------------------------------------
@@ -478,6 +566,27 @@ The sandbox has the standard library only (no pip installs), no network except t
 operator allowed (others fail with an error), and limits on CPU (fuel), memory, wall-clock time \
 and output set by the operator. Print what you want to see; output is truncated past a limit."""
 
+RUN_PYTHON_SESSION_DESCRIPTION = """\
+Run Python 3 code in an isolated sandbox (CPython compiled to WebAssembly) and return its \
+stdout, stderr, the exception with its traceback if one was raised, which limit stopped it (in \
+plain words), the CPU budget (fuel) used, and the backend.
+
+State PERSISTS between calls, as in a notebook: variables, imports, functions and open files \
+from earlier calls are still there, so build on them step by step. Call the reset tool to start \
+a fresh interpreter. A call that exceeds a limit (CPU, time, memory, output) ends the \
+interpreter: the result says so, and the next call starts fresh (so does a session left idle \
+for {idle:g} s). Files persist too: the session's workspace is mounted at /workspace (use \
+absolute paths such as /workspace/out.csv); read_file and list_files see what code wrote there.
+
+The sandbox has the standard library only (no pip installs), no network except the hosts the \
+operator allowed (others fail with an error), and limits on CPU (fuel), memory, wall-clock time \
+and output set by the operator. Each call has its own CPU and time limits. Print what you want \
+to see; output is truncated past a limit."""
+
+RESET_DESCRIPTION = ("End this session's Python interpreter: the next run_python starts a fresh "
+                     "one, without the variables, imports and functions of earlier calls. "
+                     "Files in /workspace are kept.")
+
 TIMEOUT_DESCRIPTION = ("wall-clock limit for this run in seconds; values above the operator's "
                        "limit are lowered to it (the result says so)")
 
@@ -584,10 +693,16 @@ def call_host_function(policy: McpPolicy, name: str, args: list[Any],
 def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                       transport: Literal["stdio", "http"]) -> MCPServer[Any]:
     """The ``mcp`` MCPServer exposing run_python and the workspace file tools."""
+    sessions_on = policy.config.sessions.enabled
     server: MCPServer[Any] = MCPServer(
         "wasibox", version=__version__,
-        instructions=("Runs Python in a sandbox. Each run_python call is a fresh interpreter; "
+        instructions=("Runs Python in a sandbox. run_python calls share one interpreter, so "
+                      "variables persist between calls until reset; files in /workspace "
+                      "persist for this session." if sessions_on else
+                      "Runs Python in a sandbox. Each run_python call is a fresh interpreter; "
                       "files in /workspace persist for this session."))
+    pool = SessionPool(policy)
+    store.on_drop = pool.drop
 
     def session_key(ctx: Context) -> str | None:
         if transport == "stdio":
@@ -617,24 +732,34 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         if key is None:
             raise ToolError("the file tools need an MCP session (a stateful connection); "
                             "this request has none")
-        return store.get(key)
+        root = store.get(key)
+        # A live interpreter sees /workspace through its own view until it ends.
+        return pool.view(key) or root
 
     def tool_error(exc: WasiboxError) -> ToolError:
         return ToolError(str(exc))
 
     async def run_in_sandbox(code: str, root: Path, timeout: float, notes: list[str],
-                             ctx: Context, program: dict[str, Any]) -> CallToolResult:
-        """Run ``code`` with ``root`` at /workspace, sending progress while it runs;
-        ``program`` holds the run's stdin, argv and env."""
+                             ctx: Context, program: dict[str, Any],
+                             key: str | None) -> CallToolResult:
+        """Run ``code`` with ``root`` at /workspace (in the live session of ``key`` when
+        sessions are on), sending progress while it runs; ``program`` holds the run's
+        stdin, argv and env."""
+        session: Session | None = None
         try:
-            sandbox = policy.sandbox(root, timeout)
+            if sessions_on and key is not None:
+                live, note = await asyncio.to_thread(pool.get, key, root)
+                if note is not None:
+                    notes.append(note)
+                session, sandbox = live, live._sandbox
+                narrow = {"timeout_s": timeout} if timeout < policy.limits.timeout_s else None
+                call = live.arun(code, limits=narrow, **program)
+            else:
+                sandbox = policy.sandbox(root, timeout)
+                call = sandbox.arun(code, **program)
         except WasiboxError as exc:
             raise ToolError(operator_message(exc)) from None
-        try:
-            task = asyncio.ensure_future(sandbox.arun(code, **program))
-        except WasiboxError as exc:  # a bad stdin, argv or env: refused before it starts
-            sandbox.close()
-            raise tool_error(exc) from None
+        task = asyncio.ensure_future(call)
         try:
             started = time.monotonic()
             while True:
@@ -655,12 +780,18 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         except WasiboxError as exc:
             raise ToolError(operator_message(exc)) from None
         finally:
-            sandbox.close()
+            if session is None:
+                sandbox.close()
+        limits = sandbox.limits.narrow({"timeout_s": timeout})
+        if session is not None and session.ended is not None:
+            notes.append("this call ended the Python session: its variables are gone, and "
+                         "the next run_python starts a fresh interpreter")
         return CallToolResult(
-            content=[TextContent(type="text", text=describe_result(result, sandbox.limits, notes))],
+            content=[TextContent(type="text", text=describe_result(result, limits, notes))],
             structured_content=structured_result(result, notes))
 
-    @server.tool(description=RUN_PYTHON_DESCRIPTION)
+    @server.tool(description=(RUN_PYTHON_SESSION_DESCRIPTION.format(
+        idle=policy.config.sessions.idle_timeout_s) if sessions_on else RUN_PYTHON_DESCRIPTION))
     async def run_python(
         code: Annotated[str, Field(description="the Python source to run")],
         ctx: Context,
@@ -693,7 +824,7 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                              "empty")
         try:
             return await run_in_sandbox(code, root, timeout, notes, ctx,
-                                        {"stdin": stdin, "argv": argv, "env": env})
+                                        {"stdin": stdin, "argv": argv, "env": env}, key)
         finally:
             if key is None:
                 store.discard(root)
@@ -731,6 +862,19 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         "List the files in the session's workspace (/workspace), with their sizes."))
     async def list_files(ctx: Context) -> str:
         return _list(workspace(ctx))
+
+    if sessions_on:
+        @server.tool(description=RESET_DESCRIPTION)
+        async def reset(ctx: Context) -> str:
+            key = session_key(ctx)
+            if key is None:
+                return ("this request has no MCP session, so there is no interpreter to "
+                        "reset: every run_python is already fresh")
+            live = await asyncio.to_thread(pool.drop, key)
+            return ("the Python session was reset: the next run_python starts a fresh "
+                    "interpreter; files in /workspace are kept" if live else
+                    "there was no live Python session; the next run_python starts a fresh "
+                    "interpreter; files in /workspace are kept")
 
     if policy.functions:
         async def call_function(name: str, args: list[Any] | None = None,

@@ -22,6 +22,14 @@ trusted only with its own policy:
 * ``/healthz`` and ``/metrics`` need no token and reveal only tenant names and counts: bind
   the service to an address only trusted scrapers can reach, or front it with a proxy.
 
+Sessions (``/v1/sessions``, when the tenant's ``sessions.enabled``): a tenant opens a live
+interpreter (``wasibox.Session``), runs code in it call after call, and deletes it. A session
+belongs to the tenant that opened it: its id is looked up among that tenant's sessions only,
+so another tenant's id is 404. Each call holds one of the tenant's ``max_concurrency`` slots
+like any run (429 when the queue is full); a tenant holds at most ``sessions.max_sessions``
+open at once (429 past it), and each ends at its idle timeout or maximum age, freeing its
+guest. A call to an ended session is 410, saying why it ended.
+
 Each run logs one JSON line (logger ``wasibox.serve``): tenant, operation, outcome, limit,
 fuel, duration, exit code.
 """
@@ -35,8 +43,10 @@ import enum
 import json
 import logging
 import math
+import secrets
 import socket
 import sys
+import threading
 import time
 import types
 import typing
@@ -54,14 +64,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import _events, _result
 from .._concurrency import RunHandle
-from .._errors import Busy, ConfigError, UsageError, WasiboxError
+from .._errors import Busy, ConfigError, SessionEnded, UsageError, WasiboxError
 from .._events import CapabilityEvent
 from .._result import RunResult
 from .._sandbox import Sandbox
+from .._session import Session
 from .._version import __version__
 from .config import Config, LimitsConfig, TenantConfig, hash_token
 
-__all__ = ["CallRequest", "RunRequest", "create_app", "make_sandbox", "serve"]
+__all__ = ["CallRequest", "RunRequest", "SessionModel", "create_app", "make_sandbox", "serve"]
 
 log = logging.getLogger("wasibox.serve")
 
@@ -166,10 +177,33 @@ RunResultModel = _model_of(RunResult, doc=(
     })
 
 
+SessionRunResultModel = pydantic.create_model(
+    "SessionRunResultModel", __base__=RunResultModel,
+    __doc__="What one call in a session produced, and whether the session lives on.",
+    session_ended=(str | None, Field(
+        description="null while the session lives; else why this call ended it: limit "
+                    "(limit_exceeded says which) or trap (the guest trapped or exited)")))
+
+
+class SessionModel(BaseModel):
+    """A live session: its id (give it in the path of its calls) and its bounds."""
+
+    id: str
+    idle_timeout_s: float = Field(description="the session ends after this long without a call")
+    max_age_s: float = Field(description="the session ends this long after it was opened")
+    memory_bytes: int = Field(description="the memory cap of the session's guest, for its life")
+
+
 class ErrorModel(BaseModel):
     """Why a request was refused."""
 
     detail: str
+
+
+class SessionGoneModel(ErrorModel):
+    """A call to a session that has ended; nothing ran."""
+
+    reason: str = Field(description="limit, trap, idle, max_age or closed")
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -213,6 +247,36 @@ class _Tenant:
         self.sandbox = sandbox
         limit = config.rate_limit
         self.bucket = TokenBucket(limit.per_second, limit.burst) if limit else None
+        self.sessions: dict[str, Session] = {}
+        self.sessions_lock = threading.Lock()
+
+    def open_session(self) -> tuple[str, Session] | None:
+        """A new session and its id, or None if the tenant holds ``max_sessions`` already.
+
+        Raises what ``Sandbox.session`` raises."""
+        options = self.config.sessions
+        with self.sessions_lock:
+            for key in [key for key, live in self.sessions.items() if live.ended is not None]:
+                del self.sessions[key]  # ended by a limit or an expiry: it holds nothing
+            if len(self.sessions) >= options.max_sessions:
+                return None
+            session = self.sandbox.session(idle_timeout_s=options.idle_timeout_s,
+                                           max_age_s=options.max_age_s)
+            key = secrets.token_urlsafe(18)
+            self.sessions[key] = session
+            return key, session
+
+    def find_session(self, key: str) -> Session | None:
+        with self.sessions_lock:
+            return self.sessions.get(key)
+
+    def close_session(self, key: str) -> bool:
+        with self.sessions_lock:
+            session = self.sessions.pop(key, None)
+        if session is None:
+            return False
+        session.close()
+        return True
 
 
 def make_sandbox(name: str, tenant: TenantConfig) -> Sandbox:
@@ -408,17 +472,27 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
         docs_url=None, redoc_url=None)  # interactive docs load scripts from a CDN: off
     bearer = HTTPBearer(auto_error=False, description="the tenant's token")
 
-    async def execute(request: Request, op: str, body: RunRequest) -> Response:
+    async def execute(request: Request, op: str, body: RunRequest,
+                      session: Session | None = None) -> Response:
         tenant: _Tenant = request.state.tenant
         started = time.perf_counter()
         narrow = body.limits.model_dump(exclude_none=True) if body.limits else None
         try:
-            entry, args, kwargs = ((body.entry, body.args, body.kwargs)
-                                   if isinstance(body, CallRequest) else (None, [], None))
-            handle = tenant.sandbox.start(body.code, entry=entry, args=args, kwargs=kwargs,
-                                          limits=narrow, stdin=body.stdin, argv=body.argv,
-                                          env=body.env)
+            stdin, argv, env = body.stdin, body.argv, body.env
+            if session is not None:
+                handle = session.start(body.code, limits=narrow, stdin=stdin, argv=argv,
+                                       env=env)
+            elif isinstance(body, CallRequest):
+                handle = tenant.sandbox.start(body.code, entry=body.entry, args=body.args,
+                                              kwargs=body.kwargs, limits=narrow, stdin=stdin,
+                                              argv=argv, env=env)
+            else:
+                handle = tenant.sandbox.start(body.code, limits=narrow, stdin=stdin,
+                                              argv=argv, env=env)
             result = await _unless_disconnected(request, handle)
+        except SessionEnded as exc:
+            _log_run(tenant.name, op, "session_ended", None, time.perf_counter() - started)
+            return JSONResponse({"detail": str(exc), "reason": exc.reason}, status_code=410)
         except Busy:
             metrics.rejected.labels("busy").inc()
             _log_run(tenant.name, op, "busy", None, time.perf_counter() - started)
@@ -438,7 +512,10 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
         if result.limit_exceeded is not None:
             metrics.limits.labels(tenant.name, result.limit_exceeded.value).inc()
         _log_run(tenant.name, op, outcome, result, elapsed)
-        return JSONResponse(_result_json(result))
+        data = _result_json(result)
+        if session is not None:
+            data["session_ended"] = session.ended.value if session.ended else None
+        return JSONResponse(data)
 
     @app.post("/v1/run", response_model=RunResultModel, responses=_ERRORS,
               dependencies=[Security(bearer)], summary="Run code")
@@ -451,6 +528,64 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
     async def call_function(body: CallRequest, request: Request) -> Response:
         """Run ``code``, then call ``entry(*args, **kwargs)``; its return value is ``value``."""
         return await execute(request, "call", body)
+
+    def sessions_of(request: Request) -> _Tenant:
+        tenant: _Tenant = request.state.tenant
+        if not tenant.config.sessions.enabled:
+            raise StarletteHTTPException(403, f"sessions are turned off for this tenant "
+                                              f"(tenants.{tenant.name}.sessions.enabled)")
+        return tenant
+
+    def session_of(request: Request, session_id: str) -> Session:
+        session = sessions_of(request).find_session(session_id)
+        if session is None:
+            raise StarletteHTTPException(404, "no such session for this tenant (it was "
+                                              "deleted, or never existed)")
+        return session
+
+    @app.post("/v1/sessions", response_model=SessionModel, status_code=201,
+              responses={**_ERRORS, 403: {"model": ErrorModel,
+                                          "description": "sessions are off for this tenant"}},
+              dependencies=[Security(bearer)], summary="Open a session")
+    async def open_session(request: Request) -> Response:
+        """Open a live interpreter whose variables, imports and open files persist from one
+        call to the next; 429 if the tenant already holds ``sessions.max_sessions``."""
+        tenant = sessions_of(request)
+        try:
+            opened = await asyncio.to_thread(tenant.open_session)
+        except WasiboxError:
+            log.exception("wasibox could not open a session for tenant %s", tenant.name)
+            return JSONResponse({"detail": "the sandbox is unavailable"}, status_code=503)
+        if opened is None:
+            metrics.rejected.labels("busy").inc()
+            return JSONResponse({"detail": f"this tenant already holds "
+                                 f"{tenant.config.sessions.max_sessions} open sessions; delete "
+                                 "one, or retry when one expires"}, status_code=429)
+        key, session = opened
+        return JSONResponse({"id": key, "idle_timeout_s": session.idle_timeout_s,
+                             "max_age_s": session.max_age_s,
+                             "memory_bytes": tenant.sandbox.limits.memory_bytes},
+                            status_code=201)
+
+    @app.post("/v1/sessions/{session_id}/run", response_model=SessionRunResultModel,
+              responses={**_ERRORS, 404: {"model": ErrorModel, "description": "no such session"},
+                         410: {"model": SessionGoneModel,
+                               "description": "the session has ended"}},
+              dependencies=[Security(bearer)], summary="Run code in a session")
+    async def run_in_session(session_id: str, body: RunRequest, request: Request) -> Response:
+        """Run ``code`` in the session's interpreter. A call that exceeds a limit ends the
+        session (``session_ended`` says so); later calls get 410."""
+        return await execute(request, "session_run", body, session_of(request, session_id))
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204,
+                responses={**_ERRORS, 404: {"model": ErrorModel,
+                                            "description": "no such session"}},
+                dependencies=[Security(bearer)], summary="Delete a session")
+    async def delete_session(session_id: str, request: Request) -> Response:
+        """End the session and free its guest (a call in progress finishes first)."""
+        if not await asyncio.to_thread(sessions_of(request).close_session, session_id):
+            raise StarletteHTTPException(404, "no such session for this tenant")
+        return Response(status_code=204)
 
     @app.get("/healthz", summary="Liveness")
     async def healthz() -> dict[str, str]:

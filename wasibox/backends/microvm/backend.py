@@ -83,9 +83,10 @@ from ..._limits import Limit, Limits
 from ..._progress import Reporter, heartbeat, library_reporter
 from ..._result import GuestException, Outcome
 from ..._wire import unpack
+from ...capabilities.files.session import FileSession
 from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
-from ..base import Backend, Job
+from ..base import Backend, BackendSession, Job, Policy
 from .files import CopyIn, CopyOut, QuotaExceeded
 from .image import ImageConfig, VMImage, ensure_image, image_modules
 
@@ -842,22 +843,9 @@ class MicroVMBackend(Backend):
     def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
         self.check_allowed()
         limits = job.limits
-        if limits.memory_bytes < MIN_MEMORY_BYTES:
-            raise UsageError(
-                f"memory_bytes={limits.memory_bytes} is below the microVM's minimum of "
-                f"{MIN_MEMORY_BYTES} bytes ({MIN_MEMORY_BYTES // 2**20} MiB): the VM's RAM "
-                "holds its kernel and the preloaded Python stack too")
+        _check_memory(limits)
         memory_mib = math.ceil(limits.memory_bytes / 2**20)
-        cpu_s = max(1, math.ceil(limits.fuel / FUEL_PER_CPU_SECOND))
-        request = {
-            "kind": "run", "job": job.request(), "output_bytes": limits.output_bytes,
-            "cpu_s": cpu_s, "entropy": os.urandom(64),
-            "time_ns": time.time_ns() if job.policy.clock == "real" else VIRTUAL_EPOCH_NS,
-        }
-        try:
-            msgpack.packb(request, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+        request = _request(job)
         # Mounts are copied in over the channel and their changes applied to the run's
         # staging (wasibox/backends/microvm/files.py); sized up here, before any VM starts.
         copy_in = CopyIn(job.files, limits.memory_bytes) if job.files is not None else None
@@ -868,11 +856,8 @@ class MicroVMBackend(Backend):
         with _run_directory() as paths:
             started = time.perf_counter()
             deadline = time.monotonic() + limits.timeout_s
-            policy = job.policy
             log: list[CapabilityEvent] = []
-            calls = HostCalls(functions=policy.functions, limits=limits,
-                              http=HttpGate(policy.http) if policy.http is not None else None,
-                              log=log)
+            calls = _host_calls(job, log)
             control = control or RunControl()
             control.enter(RunState.INSTANTIATING)
             vm = runtime.restore(memory_mib, paths)
@@ -889,12 +874,21 @@ class MicroVMBackend(Backend):
                 vm.kill()
                 if copy_out is not None:
                     copy_out.close()
-            if control.cancelled:
-                outcome = Outcome(limit_exceeded=Limit.CANCELLED, stdout=outcome.stdout,
-                                  stderr=outcome.stderr, duration_s=outcome.duration_s,
-                                  isolation=outcome.isolation)
-            outcome.capability_log = tuple(log)
-            return outcome
+            return _settled(outcome, control, log)
+
+    def open_session(self, limits: Limits, policy: Policy,
+                     files: FileSession | None) -> BackendSession:
+        """One VM kept for a session's calls: its agent keeps one unprivileged interpreter.
+
+        Raises EmulationRefused as ``execute`` does, UsageError for a memory cap below the
+        VM's minimum and for mounts (a microVM session cannot copy them in and out yet).
+        """
+        self.check_allowed()
+        _check_memory(limits)
+        if files is not None:
+            raise UsageError("a microVM session cannot use mounts yet; use the wasm backend "
+                             "for a session with mounts, or Sandbox.run for each call")
+        return _MicroVMSession(self, limits)
 
     def _drive(self, vm: _VM, request: dict[str, Any], calls: HostCalls, output_bytes: int,
                memory_bytes: int, deadline: float, started: float,
@@ -1009,5 +1003,103 @@ class MicroVMBackend(Backend):
             outcome.fuel_used = int(cpu_s * FUEL_PER_CPU_SECOND)
         if type(peak) is int and peak >= 0:
             outcome.memory_peak_bytes = min(peak, memory_bytes)
+
+
+def _check_memory(limits: Limits) -> None:
+    if limits.memory_bytes < MIN_MEMORY_BYTES:
+        raise UsageError(
+            f"memory_bytes={limits.memory_bytes} is below the microVM's minimum of "
+            f"{MIN_MEMORY_BYTES} bytes ({MIN_MEMORY_BYTES // 2**20} MiB): the VM's RAM "
+            "holds its kernel and the preloaded Python stack too")
+
+
+def _request(job: Job) -> dict[str, Any]:
+    """The agent's ``run`` frame for ``job``; UsageError if its arguments cannot cross."""
+    limits = job.limits
+    request = {
+        "kind": "run", "job": job.request(), "output_bytes": limits.output_bytes,
+        "cpu_s": max(1, math.ceil(limits.fuel / FUEL_PER_CPU_SECOND)), "entropy": os.urandom(64),
+        "time_ns": time.time_ns() if job.policy.clock == "real" else VIRTUAL_EPOCH_NS,
+    }
+    try:
+        msgpack.packb(request, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+    return request
+
+
+def _host_calls(job: Job, log: list[CapabilityEvent]) -> HostCalls:
+    policy = job.policy
+    return HostCalls(functions=policy.functions, limits=job.limits,
+                     http=HttpGate(policy.http) if policy.http is not None else None, log=log)
+
+
+def _settled(outcome: Outcome, control: RunControl, log: list[CapabilityEvent]) -> Outcome:
+    """The outcome as reported: cancelled if the caller cancelled, with the capability log."""
+    if control.cancelled:
+        outcome = Outcome(limit_exceeded=Limit.CANCELLED, stdout=outcome.stdout,
+                          stderr=outcome.stderr, duration_s=outcome.duration_s,
+                          isolation=outcome.isolation)
+    outcome.capability_log = tuple(log)
+    return outcome
+
+
+class _MicroVMSession(BackendSession):
+    """One VM serving a session's calls; its agent keeps the interpreter between them.
+
+    The VM's RAM is the session's memory cap. Each call has its own timeout (the VM is
+    killed at it), CPU budget (metered per call by the agent) and output cap. Any call that
+    does not end with the agent's report (a limit, a fault, a cancel) kills the VM: the
+    session is over. Runs here are not deterministic, so a session on the microVM cannot be
+    replayed.
+    """
+
+    def __init__(self, backend: MicroVMBackend, limits: Limits) -> None:
+        self._backend = backend
+        self._memory_bytes = limits.memory_bytes
+        memory_mib = math.ceil(limits.memory_bytes / 2**20)
+        runtime = backend.runtime
+        runtime.template(memory_mib)
+        self._directory = contextlib.ExitStack()
+        paths = self._directory.enter_context(_run_directory())
+        try:
+            self._vm: _VM | None = runtime.restore(memory_mib, paths)
+        except BaseException:
+            self._directory.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._vm is not None
+
+    def run(self, job: Job, control: RunControl | None = None) -> Outcome:
+        vm = self._vm
+        if vm is None:
+            raise UsageError("this session's VM is gone; open a new session")
+        control = control or RunControl()
+        if control.cancelled:
+            return Outcome(limit_exceeded=Limit.CANCELLED, isolation=self._backend.isolation)
+        request = _request(job)
+        started = time.perf_counter()
+        log: list[CapabilityEvent] = []
+        control.enter(RunState.RUNNING)
+        detach = control.on_cancel(vm.stop)
+        try:
+            outcome = self._backend._drive(
+                vm, request, _host_calls(job, log), job.limits.output_bytes,
+                self._memory_bytes, time.monotonic() + job.limits.timeout_s, started)
+        finally:
+            detach()
+        outcome = _settled(outcome, control, log)
+        if outcome.reply is None or outcome.limit_exceeded is not None \
+                or outcome.fault is not None:
+            self.close()  # the agent's interpreter is gone, or cannot be trusted to go on
+        return outcome
+
+    def close(self) -> None:
+        vm, self._vm = self._vm, None
+        if vm is not None:
+            vm.kill()
+            self._directory.close()
 
 
