@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Busy, Limit, Limits, RunState, Sandbox
-from wasibox._files import STAGING_DIR
 from wasibox.backends.base import Job, Outcome, RunControl
 from wasibox.backends.fake import FakeBackend
 from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
+from wasibox.capabilities.files.mount import STAGING_DIR
 
 from .conftest import PYTHON, RUN_PATHS, child_env, open_fds
 

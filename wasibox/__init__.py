@@ -27,7 +27,6 @@ from ._errors import (
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._files import Mount
 from ._journal import Journal, ReplayReport
 from ._limits import Limit, Limits
 from ._packages import Packages, guest_digest
@@ -37,6 +36,7 @@ from ._sandbox import Sandbox, run
 from ._session import Session, SessionEnd
 from ._transform import Failed, FailedRecord, Transform, TransformProgress, TransformSpec
 from ._version import __version__ as __version__
+from .capabilities.files.mount import Mount
 from .capabilities.http import HttpPolicy
 
 __all__ = [

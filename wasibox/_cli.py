@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from ._errors import EmulationRefused, UsageError, WasiboxError, fuel_advice
-from ._files import Mount, guest_path_for
 from ._journal import DEFAULT_JOURNAL_BYTES
 from ._limits import FUEL_PER_SECOND, Limit, Limits, parse_size
 from ._terminal import inert
 from ._version import __version__
+from .capabilities.files.mount import Mount, guest_path_for
 
 __all__ = ["main"]
 

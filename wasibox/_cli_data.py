@@ -24,11 +24,11 @@ import msgpack
 
 from ._batch import batch_elements, decode_batch_reply, encode_records
 from ._errors import UsageError
-from ._files import Mount
 from ._limits import Limits
 from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
+from .capabilities.files.mount import Mount
 
 __all__ = ["FORMATS", "add_commands", "format_of", "package_arguments", "package_options",
            "parse_mount", "read_records", "write_records"]
@@ -254,7 +254,7 @@ def _script_options(path: str, mount_texts: list[str]) -> dict[str, Any]:
     first on ``sys.path`` (as ``python script.py`` puts it) if a mount shows the script."""
     if not mount_texts:
         return {}
-    from ._files import guest_path_for
+    from .capabilities.files.mount import guest_path_for
 
     mounts = [parse_mount(text) for text in mount_texts]
     guest = guest_path_for(path, mounts)

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from ._concurrency import RunHandle, Runner
 from ._control import RunControl, RunState
 from ._errors import GuestError, LimitExceeded, NativeOnlyPackage, SandboxClosed, UsageError
-from ._files import FileSession, Mount, QuotaExceeded, check_mounts
 from ._limits import Limit, Limits
 from ._packages import Packages, PackageSet, packages_from, resolve
 from ._result import GuestException, Outcome, RunResult, build_result
 from ._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S, Session
 from .backends.base import Backend, Job, Policy
+from .capabilities.files.mount import Mount, check_mounts
+from .capabilities.files.session import FileSession
+from .capabilities.files.staging import QuotaExceeded
 from .capabilities.hostcall import check_functions
 from .capabilities.http import HttpPolicy
 

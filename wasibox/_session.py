@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from ._concurrency import RunHandle
 from ._control import RunControl
 from ._errors import SandboxClosed, SessionEnded, UsageError, WasiboxError
-from ._files import FileSession, QuotaExceeded
 from ._limits import Limit, Limits
 from ._result import FileRecord, RefusedFile, RunResult
 from .backends.base import Backend, BackendSession, Job
+from .capabilities.files.session import FileSession
+from .capabilities.files.staging import QuotaExceeded
 
 if TYPE_CHECKING:
     from ._journal import Journal, Tape

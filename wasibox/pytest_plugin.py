@@ -77,7 +77,7 @@ def _shares_soundly(item: pytest.Function) -> bool:
     options = dict(marker.kwargs) if marker is not None else {}
     if options.get("workspace") is not None:
         return False
-    from ._files import Mount
+    from .capabilities.files.mount import Mount
 
     mounts = options.get("mounts", ())
     return isinstance(mounts, list | tuple) and all(

@@ -22,7 +22,8 @@ import pytest
 import wasibox
 from tests.conftest import PYTHON, child_env, open_fds
 from wasibox import Limit
-from wasibox._files import STAGING_DIR, FileSession
+from wasibox.capabilities.files.mount import STAGING_DIR
+from wasibox.capabilities.files.session import FileSession
 
 pytestmark = pytest.mark.guest
 
@@ -630,12 +631,12 @@ def test_files_refused_and_records_reach_to_dict(tree: dict[str, Path]) -> None:
 CRASH = """
 import os, sys
 import wasibox
-from wasibox import _files
+from wasibox.capabilities.files import session as files, staging
 mount = wasibox.Mount(sys.argv[1], "/out", writable=True)
-session = _files.FileSession([mount], open_files=8)
+session = files.FileSession([mount], open_files=8)
 (session.trees["/out"] / "staged.txt").write_text("staged")
 if sys.argv[2] == "after-journal":
-    _files._apply = lambda *args, **kwargs: os._exit(0)   # die between journal and renames
+    staging._apply = lambda *args, **kwargs: os._exit(0)   # die between journal and renames
     session.publish()
 os._exit(0)   # die mid-run: no cleanup, no unlock
 """
@@ -749,7 +750,7 @@ def test_scratch_is_private_to_each_run_and_discarded(
 
 
 def test_directory_nesting_is_capped(tree: dict[str, Path], fds: int) -> None:
-    from wasibox._files import MAX_DEPTH
+    from wasibox.capabilities.files.mount import MAX_DEPTH
     with sandbox(tree) as sb:
         value = call(sb, f"""
             import os

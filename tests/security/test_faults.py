@@ -24,7 +24,8 @@ import pytest
 import wasibox
 from tests.conftest import PYTHON, child_env
 from tests.security.conftest import take_baseline
-from wasibox._files import STAGING_DIR, FileSession
+from wasibox.capabilities.files.mount import STAGING_DIR
+from wasibox.capabilities.files.session import FileSession
 
 pytestmark = pytest.mark.guest
 
@@ -35,12 +36,12 @@ FILE_BYTES = 128 * 1024
 WRITER = f"""
 import sys
 import wasibox
-from wasibox import _files
+from wasibox.capabilities.files import session as files
 mount = wasibox.Mount(sys.argv[1], "/out", writable=True, quota_bytes=2**30)
-session = _files.FileSession([mount], open_files=8)
+session = files.FileSession([mount], open_files=8)
 print("staged", flush=True)
 for index in range({FILES}):
-    fd = session.open(f"/out/f{{index}}.bin", _files.F_WRITE | _files.F_CREATE | _files.F_TRUNC,
+    fd = session.open(f"/out/f{{index}}.bin", files.F_WRITE | files.F_CREATE | files.F_TRUNC,
                       0o644)
     block = bytes([index]) * 4096
     for _ in range({FILE_BYTES} // 4096):

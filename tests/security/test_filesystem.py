@@ -19,7 +19,7 @@ import pytest
 import wasibox
 from tests.capabilities.test_files import SECRET, snapshot
 from tests.security.conftest import HostBaseline, take_baseline
-from wasibox._files import MAX_DEPTH, STAGING_DIR
+from wasibox.capabilities.files.mount import MAX_DEPTH, STAGING_DIR
 
 pytestmark = pytest.mark.guest
 

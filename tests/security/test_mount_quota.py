@@ -30,11 +30,20 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 import wasibox
-from wasibox import _files
 from wasibox._control import RunControl
-from wasibox._files import STAGING_DIR, FilesError, FileSession
 from wasibox._result import Outcome
 from wasibox.backends.base import Backend, Job
+from wasibox.capabilities.files.mount import STAGING_DIR
+from wasibox.capabilities.files.session import (
+    F_APPEND,
+    F_CREATE,
+    F_EXCL,
+    F_READ,
+    F_TRUNC,
+    F_WRITE,
+    FilesError,
+    FileSession,
+)
 
 pytestmark = pytest.mark.guest
 
@@ -340,8 +349,8 @@ def test_within_the_quota_the_writer_publishes(out: Path) -> None:
 FILE_NAMES, DIR_NAMES = ("/w/a", "/w/b", "/w/d/a"), ("/w/d", "/w/e", "/w/d/a")
 NAMES = tuple(sorted(set(FILE_NAMES + DIR_NAMES)))
 SESSION_QUOTA_BYTES, SESSION_QUOTA_FILES = 64, 4
-ACCESS = {"r": _files.F_READ, "w": _files.F_WRITE, "rw": _files.F_READ | _files.F_WRITE}
-EXTRA_FLAGS = (_files.F_APPEND, _files.F_EXCL, _files.F_TRUNC)
+ACCESS = {"r": F_READ, "w": F_WRITE, "rw": F_READ | F_WRITE}
+EXTRA_FLAGS = (F_APPEND, F_EXCL, F_TRUNC)
 
 names = st.sampled_from(NAMES)
 slots = st.integers(0, 2)
@@ -350,7 +359,7 @@ data = st.binary(min_size=1, max_size=SESSION_QUOTA_BYTES).map(lambda b: b.decod
 opens = st.tuples(st.just("open"), st.sampled_from(FILE_NAMES),
                   st.sampled_from(["w", "rw", "rw", "r"]),
                   st.sets(st.sampled_from(EXTRA_FLAGS)).map(sorted),
-                  st.sampled_from([_files.F_CREATE] * 3 + [0]), slots)
+                  st.sampled_from([F_CREATE] * 3 + [0]), slots)
 writes = st.tuples(st.just("write"), slots, data)
 session_ops = st.one_of(
     opens, opens, writes, writes,
@@ -363,8 +372,8 @@ session_ops = st.one_of(
     *(st.tuples(st.just(kind), st.sampled_from(DIR_NAMES), names) for kind in ("mkdir", "rmdir")),
 )
 #: Every sequence starts with two files open (one to append), so descriptors are at hand.
-START = [("open", "/w/a", "rw", [], _files.F_CREATE, 0),
-         ("open", "/w/b", "w", [_files.F_APPEND], _files.F_CREATE, 1)]
+START = [("open", "/w/a", "rw", [], F_CREATE, 0),
+         ("open", "/w/b", "w", [F_APPEND], F_CREATE, 1)]
 
 
 def _apply(session: FileSession, fds: dict[int, int], op: tuple[Any, ...]) -> None:

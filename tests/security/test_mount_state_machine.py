@@ -48,7 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import wasibox
 from tests.security.test_mount_quota import held, published, staging_tree
-from wasibox._files import STAGING_DIR
+from wasibox.capabilities.files.mount import STAGING_DIR
 
 pytestmark = pytest.mark.guest
 

@@ -23,8 +23,9 @@ from .._result import Outcome
 from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
-    from .._files import FileSession, Mount
     from .._journal import Tape
+    from ..capabilities.files.mount import Mount
+    from ..capabilities.files.session import FileSession
 
 __all__ = ["Backend", "BackendSession", "Job", "Outcome", "Policy", "RunControl"]
 

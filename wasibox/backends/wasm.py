@@ -60,12 +60,12 @@ from wasmtime import component as cm
 from .._control import RunControl, RunState
 from .._errors import GuestBuildError, JournalError, UsageError
 from .._events import CapabilityEvent
-from .._files import FilesError, FileSession, StatInfo
 from .._guest import GuestArtifact, cache_dir, ensure_guest, file_lock, installed_version
 from .._limits import Limit, Limits
 from .._progress import Reporter, heartbeat, library_reporter
 from .._result import GuestException, Outcome
 from .._wire import ProtocolError, decode_reply, encode_request, max_elements
+from ..capabilities.files.session import FilesError, FileSession, StatInfo
 from ..capabilities.hostcall import HostCalls, StopRun
 from ..capabilities.http import HttpGate
 from ._native import NativeBuild

@@ -50,9 +50,9 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._errors import ConfigError, UsageError
-from .._files import Mount
 from .._limits import Limits, parse_size
 from .._session import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_AGE_S
+from ..capabilities.files.mount import Mount
 from ..capabilities.http import HttpPolicy
 
 __all__ = [

@@ -19,8 +19,8 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from .._files import Mount
 from .._limits import Limits
+from ..capabilities.files.mount import Mount
 from .config import Config, LimitsConfig, MountConfig
 
 __all__ = ["MEANINGS", "config_reference"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import inspect
 import ipaddress
 import json
@@ -64,12 +65,13 @@ from mcp.types import CallToolResult, TextContent
 from pydantic import BaseModel, Field
 
 from .._errors import ConfigError, UsageError, WasiboxError
-from .._files import STAGING_DIR, Mount
 from .._limits import Limit, Limits
 from .._result import RunResult, json_value
 from .._sandbox import Sandbox
 from .._session import Session
 from .._version import __version__
+from ..capabilities.files.mount import STAGING_DIR, Mount
+from ..capabilities.files.walk import DIR_FLAGS, Blocked, walk
 from ..capabilities.hostcall import HostCalls, StopRun, host_error_message
 from .config import Config, TenantConfig, load_config
 
@@ -447,8 +449,9 @@ def operator_message(exc: BaseException) -> str:
 
 # -- confined paths ---------------------------------------------------------------------------
 
-def _confine(root: Path, path: str) -> Path:
-    """``path`` (relative, or under /workspace) inside ``root``. Raises UsageError."""
+def _workspace_parts(path: str) -> tuple[str, ...]:
+    """``path`` (relative, or under /workspace) as its components inside the workspace.
+    Raises UsageError for anything that would leave it."""
     if not isinstance(path, str) or not path or "\x00" in path:
         raise UsageError("give a file path such as 'data/input.csv'")
     pure = PurePosixPath(path)
@@ -461,15 +464,48 @@ def _confine(root: Path, path: str) -> Path:
     parts = pure.parts
     if any(part in ("..", STAGING_DIR) for part in parts) or "\\" in path:
         raise UsageError(f"{path!r} leaves the workspace; '..' is not allowed")
-    target = root.joinpath(*parts)
-    # Refuse symbolic links anywhere on the way: the guest cannot make them, and a path
-    # through one could lead out of the workspace.
-    probe = root
-    for part in parts:
-        probe = probe / part
-        if probe.is_symlink():
-            raise UsageError(f"{path!r} goes through a symbolic link, which is refused")
-    return target
+    return parts
+
+
+def _open_confined(root: Path, path: str, flags: int, *, make_dirs: bool = False) -> int:
+    """Open the file ``path`` inside the workspace ``root`` with the confinement walker.
+
+    No symbolic link is followed, on the way or at the end (the guest cannot make one, and
+    one planted there could lead out of the workspace), and there is no window between a
+    check and the open. A FIFO cannot hang the server: the file is opened non-blocking and
+    must be a regular file. With ``make_dirs``, missing directories on the way are made.
+    Raises UsageError.
+    """
+    parts = _workspace_parts(path)
+    if not parts:
+        raise UsageError("give a file path, not the workspace itself")
+    root_fd = os.open(root, DIR_FLAGS)
+    try:
+        parent = walk(root_fd, parts[:-1], create=make_dirs)
+    except Blocked as stop:
+        if stop.is_link:
+            raise UsageError(f"{path!r} goes through a symbolic link, which is refused") from None
+        if isinstance(stop.error, FileNotFoundError):
+            raise UsageError(f"there is no file {path!r} in the workspace") from None
+        raise UsageError(f"{path!r} goes through {stop.part!r}, which is not a directory "
+                         "in the workspace") from None
+    finally:
+        os.close(root_fd)
+    try:
+        fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                     dir_fd=parent)
+    except FileNotFoundError:
+        raise UsageError(f"there is no file {path!r} in the workspace") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError(f"{path!r} is a symbolic link, which is refused") from None
+        raise UsageError(f"cannot open {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(parent)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path!r} is not a regular file")
+    return fd
 
 
 def _write(root: Path, path: str, content: str) -> str:
@@ -477,28 +513,15 @@ def _write(root: Path, path: str, content: str) -> str:
     if len(data) > FILE_LIMIT:
         raise UsageError(f"the content is {len(data)} bytes; files are capped at "
                          f"{FILE_LIMIT} bytes")
-    target = _confine(root, path)
-    if target == root:
-        raise UsageError("give a file path, not the workspace itself")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                 0o600)
+    fd = _open_confined(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_dirs=True)
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
-    return f"wrote {len(data)} bytes to {WORKSPACE}/{target.relative_to(root).as_posix()}"
+    return f"wrote {len(data)} bytes to {WORKSPACE}/{'/'.join(_workspace_parts(path))}"
 
 
 def _read(root: Path, path: str) -> str:
-    target = _confine(root, path)
-    try:
-        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise UsageError(f"there is no file {path!r} in the workspace") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path!r}: {exc.strerror}") from None
+    fd = _open_confined(root, path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise UsageError(f"{path!r} is not a regular file")
         data = handle.read(FILE_LIMIT + 1)
     if len(data) > FILE_LIMIT:
         raise UsageError(f"{path!r} is over {FILE_LIMIT} bytes; read it in code and print "

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from wasibox import Mount, UsageError
-from wasibox._files import STAGING_DIR, FileSession
 from wasibox.backends.microvm.files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
+from wasibox.capabilities.files.mount import STAGING_DIR
+from wasibox.capabilities.files.session import FileSession
 
 MEMORY = 256 * 2**20
 

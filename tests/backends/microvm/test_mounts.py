@@ -21,7 +21,7 @@ import wasibox
 # vm_runtime: the session's VM runtime (it skips only where QEMU or the image is missing).
 from tests.backends.microvm.test_backend import VM_LIMITS, _no_orphans, vm_runtime  # noqa: F401
 from wasibox import Limit, Mount
-from wasibox._files import STAGING_DIR
+from wasibox.capabilities.files.mount import STAGING_DIR
 
 pytestmark = [pytest.mark.microvm, pytest.mark.usefixtures("vm_runtime")]
 

@@ -78,12 +78,12 @@ import msgpack
 from ..._control import RunControl, RunState
 from ..._errors import EmulationRefused, UsageError, VMError
 from ..._events import CapabilityEvent
-from ..._files import FileSession
 from ..._guest import cache_dir, file_lock
 from ..._limits import Limit, Limits
 from ..._progress import Reporter, heartbeat, library_reporter
 from ..._result import GuestException, Outcome
 from ..._wire import unpack
+from ...capabilities.files.session import FileSession
 from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
 from ..base import Backend, BackendSession, Job, Policy

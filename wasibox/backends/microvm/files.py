@@ -53,15 +53,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._errors import UsageError
-from ..._files import (
-    MAX_DEPTH,
-    STAGING_DIR,
-    FileSession,
-    Mount,
-    QuotaExceeded,
-    _Blocked,
-    _walk_host,
-)
+from ...capabilities.files.mount import MAX_DEPTH, STAGING_DIR, Mount
+from ...capabilities.files.session import MAX_NAME, MAX_PATH, FileSession, encodable
+from ...capabilities.files.staging import QuotaExceeded
+from ...capabilities.files.walk import DIR_FLAGS, FILE_FLAGS, Blocked, walk
 
 __all__ = ["MAX_COPY_ENTRIES", "CopyIn", "CopyOut", "QuotaExceeded", "copy_in_caps"]
 
@@ -72,10 +67,6 @@ FRAME_DATA = 1 << 20
 #: Entries in one frame (the host decodes arrays of at most 1024 items from the guest).
 FRAME_ENTRIES = 512
 PAGE = 4096
-_MAX_NAME = 255
-_MAX_PATH = 4096
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def copy_in_caps(memory_bytes: int) -> tuple[int, int]:
@@ -105,14 +96,6 @@ class _View:
     @property
     def collect(self) -> bool:
         return self.mount.writable and self.root_fd is not None
-
-
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class CopyIn:
@@ -148,7 +131,7 @@ class CopyIn:
             found = sorted((entry.name, entry.stat(follow_symlinks=False))
                            for entry in listing)
         for name, st in found:
-            if not _utf8(name) or (not rel and name == STAGING_DIR):
+            if not encodable(name) or (not rel and name == STAGING_DIR):
                 continue  # the wasm guest cannot see these either
             parts = (*rel, name)
             mode = st.st_mode
@@ -161,7 +144,7 @@ class CopyIn:
                         "directories, which the microVM does not copy; run on "
                         "backend='wasm'")
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                    child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                 except OSError:
                     continue  # changed under us, or unreadable: not part of the view
                 try:
@@ -241,12 +224,12 @@ def _read(root_fd: int, entry: _Entry) -> Iterator[tuple[bytes, bool]]:
     """A file's data in chunks, at most its planned size; walked without following links.
     A file that has gone or changed kind since the walk reads as empty."""
     try:
-        parent = _walk_host(root_fd, entry.parts[:-1], create=False)
-    except _Blocked:
+        parent = walk(root_fd, entry.parts[:-1])
+    except Blocked:
         yield b"", True
         return
     try:
-        fd = os.open(entry.parts[-1], _FILE_FLAGS, dir_fd=parent)
+        fd = os.open(entry.parts[-1], FILE_FLAGS, dir_fd=parent)
     except OSError:
         yield b"", True
         return
@@ -397,8 +380,8 @@ class CopyOut:
                     raise ValueError("a file nested deeper than the guest can make")
                 self._count(target, parts)
                 try:
-                    parent = _walk_host(target.root_fd, parts[:-1], create=True)
-                except _Blocked:
+                    parent = walk(target.root_fd, parts[:-1], create=True)
+                except Blocked:
                     raise ValueError(f"a file inside a non-directory: {entry[1]!r}") from None
                 try:
                     self._writing = _Writing(parent, parts, entry[2])
@@ -438,8 +421,8 @@ class CopyOut:
     @staticmethod
     def _size(target: _Target, parts: tuple[str, ...]) -> int:
         try:
-            parent = _walk_host(target.root_fd, parts[:-1], create=False)
-        except _Blocked:
+            parent = walk(target.root_fd, parts[:-1])
+        except Blocked:
             return 0
         try:
             st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
@@ -454,8 +437,8 @@ class CopyOut:
         if len(parts) > MAX_DEPTH:
             raise ValueError("a directory nested deeper than the guest can make")
         try:
-            parent = _walk_host(target.root_fd, parts[:-1], create=True)
-        except _Blocked:
+            parent = walk(target.root_fd, parts[:-1], create=True)
+        except Blocked:
             raise ValueError(f"a directory inside a non-directory: {'/'.join(parts)!r}") \
                 from None
         try:
@@ -484,8 +467,8 @@ class CopyOut:
             gone.sort(key=lambda parts: (target.view.sent[parts] == "d", -len(parts)))
             for parts in gone:
                 try:
-                    parent = _walk_host(target.root_fd, parts[:-1], create=False)
-                except _Blocked:
+                    parent = walk(target.root_fd, parts[:-1])
+                except Blocked:
                     continue
                 try:
                     st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
@@ -511,14 +494,14 @@ def _guest(target: _Target, parts: tuple[str, ...]) -> str:
 def _parts(rel: object) -> tuple[str, ...]:
     """The components of a relative path from the guest; ValueError for anything a real
     directory walk could not have produced."""
-    if not isinstance(rel, str) or not rel or len(rel) > _MAX_PATH:
+    if not isinstance(rel, str) or not rel or len(rel) > MAX_PATH:
         raise ValueError("a files entry with a malformed path")
     parts = tuple(rel.split("/"))
     for part in parts:
         if part in ("", ".", "..") or "\x00" in part:
             raise ValueError(f"a files entry with a forbidden path: {rel!r}")
         try:
-            if len(part.encode("utf-8")) > _MAX_NAME:
+            if len(part.encode("utf-8")) > MAX_NAME:
                 raise ValueError(f"a files entry with a name too long: {rel[:80]!r}")
         except UnicodeEncodeError:
             raise ValueError("a files entry whose path is not UTF-8") from None
