@@ -369,7 +369,7 @@ class Sandbox:
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
-                                        self.python_path), request)
+                                        self.python_path, self._package_pins()), request)
         tape.save_to = target
         return tape
 
@@ -389,10 +389,14 @@ class Sandbox:
         """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
         return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
 
+    def _package_pins(self) -> tuple[str, ...]:
+        """The package set built into this sandbox's guest, as "name==version" pins."""
+        return self.package_set.pins if self.package_set is not None else ()
+
     def _result(self, outcome: Outcome, backend: str) -> RunResult:
         """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
-        pins = self.package_set.pins if self.package_set is not None else ()
-        return build_result(outcome, backend, REPLY_LIMIT_BYTES, packages=pins)
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES,
+                            packages=self._package_pins())
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
