@@ -750,6 +750,29 @@ class FileSession:
         return [(str(m.tree if m.tree is not None else m.host), m.mount.guest_path)
                 for m in self._mounted if m.mount.c_access]
 
+    def c_access_overrun(self) -> str | None:
+        """Why a ``c_access`` mount's tree holds more than its quotas right now, or None.
+
+        C code in the guest writes those trees through its WASI preopen, past the file
+        layer's accounting, so while such a run goes on they are measured from outside
+        (``run_with_files`` polls this) and the run is stopped once one is over.
+        """
+        for mounted in self._mounted:
+            if not mounted.mount.c_access:
+                continue
+            quota_bytes = max(mounted.quota_bytes, mounted.baseline_bytes)
+            quota_files = max(mounted.mount.quota_files, mounted.baseline_files)
+            used_bytes, used_files = _tree_usage(
+                mounted.tree if mounted.tree is not None else mounted.host, quota_files + 1)
+            where = mounted.mount.guest_path
+            if used_bytes > quota_bytes:
+                return (f"C code wrote {used_bytes} bytes into {where!r}, over its quota "
+                        f"of {quota_bytes}")
+            if used_files > quota_files:
+                return (f"C code made {used_files} files and directories in {where!r}, "
+                        f"over its quota of {quota_files}")
+        return None
+
     def views(self) -> list[tuple[Mount, int | None]]:
         """Each mount with a descriptor of the directory its guest view starts at: the host
         directory of a read-only mount, the staging tree of a writable one, None for a
@@ -1444,6 +1467,37 @@ def _plan_mount(mounted: _Mounted) -> _Plan:
         raise QuotaExceeded(f"the run left {used_files} files and directories in {where!r}, "
                             f"over its quota of {quota_files}")
     return plan
+
+
+def _tree_usage(root: Path, max_entries: int) -> tuple[int, int]:
+    """Bytes (each file once, by inode) and entries below ``root``, symlinks not followed;
+    the walk stops once it has seen ``max_entries`` entries.
+
+    The tree is being written while it is measured: entries that vanish are skipped, and a
+    directory swapped for a symlink can at worst be counted again, which the entry bound
+    keeps finite.
+    """
+    sizes: dict[int, int] = {}
+    entries = 0
+    pending = [str(root)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as listing:
+                for entry in listing:
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries += 1
+                    if entries >= max_entries:
+                        return sum(sizes.values()), entries
+                    if stat.S_ISDIR(info.st_mode):
+                        pending.append(entry.path)
+                    elif stat.S_ISREG(info.st_mode):
+                        sizes[info.st_ino] = info.st_size
+        except OSError:
+            continue
+    return sum(sizes.values()), entries
 
 
 def _publish(mounted: _Mounted, plan: _Plan, records: list[FileRecord],
