@@ -231,6 +231,21 @@ def test_a_journal_from_another_guest_is_refused_naming_both_digests(
     assert "0" * 64 in done.stderr and current in done.stderr
 
 
+def test_a_journal_of_a_package_set_names_it_and_is_refused_for_replay(
+        tmp_path: Path, origin: Origin) -> None:
+    path, _ = record(tmp_path, origin, {"apple": 2.0})
+    lines = path.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    assert header["packages"] == []  # this sandbox had none
+    header["packages"] = ["attrs==26.1.0"]
+    lines[0] = json.dumps(header)
+    other = tmp_path / "packages.journal"
+    other.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(JournalError, match="attrs==26.1.0") as caught:
+        replay(other)
+    assert not isinstance(caught.value, GuestDigestMismatch)
+
+
 def test_a_journal_past_its_bound_is_truncated_and_cannot_be_replayed(tmp_path: Path) -> None:
     journal = Journal(max_bytes=2000)
     with wasibox.Sandbox() as sb:

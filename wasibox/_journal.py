@@ -394,7 +394,8 @@ def journal_digest(backend: object) -> str:
 
 
 def header_for(kind: Literal["run", "session"], guest_digest: str, policy: Policy,
-               limits: Limits, python_path: Sequence[str]) -> dict[str, Any]:
+               limits: Limits, python_path: Sequence[str],
+               packages: Sequence[str]) -> dict[str, Any]:
     """The header of a journal of ``policy``'s runs: no host paths, no host function code."""
     return {
         "wasibox_journal": JOURNAL_VERSION,
@@ -412,8 +413,8 @@ def header_for(kind: Literal["run", "session"], guest_digest: str, policy: Polic
         "functions": sorted(policy.functions),
         "http": policy.http is not None,
         "python_path": list(python_path),
-        # The package set the guest imported from (none yet: the guest's own stdlib only).
-        "packages": [],
+        # The package set built into the guest ("name==version" pins), or none.
+        "packages": list(packages),
     }
 
 
@@ -624,8 +625,8 @@ def load_snapshot(snapshot: Journal | bytes | str | os.PathLike[str]) -> Journal
 def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -> Journal:
     """The journal, read if it is a path, and checked to be replayable here.
 
-    Raises JournalError for a journal that cannot be read or was truncated,
-    GuestDigestMismatch if another guest recorded it.
+    Raises JournalError for a journal that cannot be read, was truncated or was recorded
+    with a package set, GuestDigestMismatch if another guest recorded it.
     """
     if not isinstance(journal, Journal):
         try:
@@ -640,6 +641,11 @@ def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -
                            "again with a larger Journal(max_bytes=...) (--journal-bytes)")
     if any(call.outcome is None for call in journal._calls):
         raise JournalError("the journal ends inside a call (its outcome is missing)")
+    if journal.header["packages"]:
+        raise JournalError(
+            "the journal was recorded by a guest with the package set "
+            f"{', '.join(journal.header['packages'])}; replaying such runs is not supported "
+            "yet (a session of that sandbox can still be restored from its snapshot)")
     from ._guest import guest_digest
 
     current = guest_digest()

@@ -371,7 +371,7 @@ class Sandbox:
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
-                                        self.python_path), request)
+                                        self.python_path, self._package_pins()), request)
         tape.save_to = target
         return tape
 
@@ -391,13 +391,19 @@ class Sandbox:
         """``_job`` for a run with stdin, argv and env (a Session's call); raises as it."""
         return self._job(code, None, (), None, narrow, _Context(stdin, argv, env))
 
+    def _package_pins(self) -> tuple[str, ...]:
+        """The package set built into this sandbox's guest, as "name==version" pins."""
+        return self.package_set.pins if self.package_set is not None else ()
+
     def _result(self, outcome: Outcome, backend: str) -> RunResult:
         """The RunResult of what ``backend`` observed (a run's or a Session call's)."""
-        pins = self.package_set.pins if self.package_set is not None else ()
-        return build_result(outcome, backend, REPLY_LIMIT_BYTES, packages=pins)
+        return build_result(outcome, backend, REPLY_LIMIT_BYTES,
+                            packages=self._package_pins())
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
+        if control is None and any(mount.c_access for mount in job.policy.mounts):
+            control = RunControl()  # so that run_with_files can stop C code over a quota
         try:
             result = run_with_files(job, lambda job: self._result(
                 backend.execute(job, control), backend.name), control)
@@ -520,6 +526,36 @@ def _guest_paths(paths: Sequence[str]) -> tuple[str, ...]:
     return tuple(paths)
 
 
+#: How often the trees of ``c_access`` mounts are measured while a run goes on: C code can
+#: write past a quota by what it writes in one interval before the run is stopped.
+C_ACCESS_CHECK_S = 0.05
+
+
+class _CAccessWatch:
+    """Measures a run's ``c_access`` trees every C_ACCESS_CHECK_S on a thread of its own, and
+    cancels the run through ``control`` once one is over its quotas (``overrun`` says why)."""
+
+    def __init__(self, session: FileSession, control: RunControl) -> None:
+        self.overrun: str | None = None
+        self._session, self._control = session, control
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="wasibox-c-access-quota",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(C_ACCESS_CHECK_S):
+            overrun = self._session.c_access_overrun()
+            if overrun is not None:
+                self.overrun = overrun
+                self._control.cancel()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
 def run_with_files(job: Job, execute: Callable[[Job], RunResult],
                    control: RunControl | None = None) -> RunResult:
     """Run ``job`` with a file session for its mounts, then publish (if the result is ok)
@@ -532,7 +568,9 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult],
     A run that ends ok but leaves a writable mount over its quotas (possible only for a
     backend whose guest writes its staging tree itself, such as the microVM's) publishes
     nothing: its result is not ok, with exit status 1 and an ``OSError`` error saying which
-    quota, ending "nothing was published".
+    quota, ending "nothing was published". A run with ``c_access`` mounts and a ``control``
+    is also stopped (through ``control``) as soon as C code puts one over its quotas, with
+    the same kind of result.
 
     Raises UsageError if a mount's host directory has gone, or cannot hold its staging.
     """
@@ -545,7 +583,19 @@ def run_with_files(job: Job, execute: Callable[[Job], RunResult],
         raise UsageError(f"a mount's host directory cannot be used: {exc.strerror} "
                          f"({exc.filename})") from None
     with session:
-        result = execute(dataclasses.replace(job, files=session))
+        watch = (_CAccessWatch(session, control)
+                 if control is not None and any(m.c_access for m in mounts) else None)
+        try:
+            result = execute(dataclasses.replace(job, files=session))
+        finally:
+            if watch is not None:
+                watch.stop()
+        if watch is not None and watch.overrun is not None:
+            error = GuestException(type="OSError", traceback="", message=(
+                f"{watch.overrun} while the run went on: it was stopped, and nothing was "
+                "published"))
+            return dataclasses.replace(result, ok=False, exit_code=1, error=error,
+                                       limit_exceeded=None)
         if not result.ok:
             return result
         if control is not None:

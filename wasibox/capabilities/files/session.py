@@ -21,7 +21,7 @@ from typing import Any
 
 from ..._result import FileRecord, RefusedFile
 from .mount import MAX_DEPTH, STAGING_DIR, Mount, lexical_parts
-from .staging import Inode, Mounted, copy_file, plan_mount, publish_mount
+from .staging import Inode, Mounted, copy_file, plan_mount, publish_mount, tree_usage
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, blocked, walk
 
 __all__ = [
@@ -192,6 +192,29 @@ class FileSession:
         run's staging tree of a writable mount, the scratch directory of a scratch one."""
         return [(str(m.tree if m.tree is not None else m.host), m.mount.guest_path)
                 for m in self._mounted if m.mount.c_access]
+
+    def c_access_overrun(self) -> str | None:
+        """Why a ``c_access`` mount's tree holds more than its quotas right now, or None.
+
+        C code in the guest writes those trees through its WASI preopen, past the file
+        layer's accounting, so while such a run goes on they are measured from outside
+        (``run_with_files`` polls this) and the run is stopped once one is over.
+        """
+        for mounted in self._mounted:
+            if not mounted.mount.c_access:
+                continue
+            quota_bytes = max(mounted.quota_bytes, mounted.baseline_bytes)
+            quota_files = max(mounted.mount.quota_files, mounted.baseline_files)
+            used_bytes, used_files = tree_usage(
+                mounted.tree if mounted.tree is not None else mounted.host, quota_files + 1)
+            where = mounted.mount.guest_path
+            if used_bytes > quota_bytes:
+                return (f"C code wrote {used_bytes} bytes into {where!r}, over its quota "
+                        f"of {quota_bytes}")
+            if used_files > quota_files:
+                return (f"C code made {used_files} files and directories in {where!r}, "
+                        f"over its quota of {quota_files}")
+        return None
 
     def views(self) -> list[tuple[Mount, int | None]]:
         """Each mount with a descriptor of the directory its guest view starts at: the host

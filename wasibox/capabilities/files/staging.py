@@ -37,6 +37,7 @@ __all__ = [
     "QuotaExceeded",
     "plan_mount",
     "publish_mount",
+    "tree_usage",
 ]
 
 #: The size of one read or write when the host copies or digests a file.
@@ -436,6 +437,37 @@ def plan_mount(mounted: Mounted) -> Plan:
         raise QuotaExceeded(f"the run left {used_files} files and directories in {where!r}, "
                             f"over its quota of {quota_files}")
     return plan
+
+
+def tree_usage(root: Path, max_entries: int) -> tuple[int, int]:
+    """Bytes (each file once, by inode) and entries below ``root``, symlinks not followed;
+    the walk stops once it has seen ``max_entries`` entries.
+
+    The tree is being written while it is measured: entries that vanish are skipped, and a
+    directory swapped for a symlink can at worst be counted again, which the entry bound
+    keeps finite.
+    """
+    sizes: dict[int, int] = {}
+    entries = 0
+    pending = [str(root)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as listing:
+                for entry in listing:
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries += 1
+                    if entries >= max_entries:
+                        return sum(sizes.values()), entries
+                    if stat.S_ISDIR(info.st_mode):
+                        pending.append(entry.path)
+                    elif stat.S_ISREG(info.st_mode):
+                        sizes[info.st_ino] = info.st_size
+        except OSError:
+            continue
+    return sum(sizes.values()), entries
 
 
 def publish_mount(mounted: Mounted, plan: Plan, records: list[FileRecord],
