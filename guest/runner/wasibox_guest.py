@@ -523,6 +523,9 @@ wasibox_files.install()
 # are left out. One that fails to import here (it needs something WASI lacks, or an
 # optional dependency) stays unimported: a run that imports it gets the same error, with
 # its traceback, instead of the whole set failing.
+# The path importer is kept out of it: at build time the files capability is a trapping stub,
+# and a package's optional imports (``try: import x``) would ask it about "" on sys.path.
+sys.path[:] = []
 for _name in sorted(name for name in _MODULES if name.partition(".")[0] in _SITE_TOP_LEVEL):
     if {"__main__", "test", "tests"} & set(_name.split(".")) or _name in sys.modules:
         continue
@@ -531,6 +534,8 @@ for _name in sorted(name for name in _MODULES if name.partition(".")[0] in _SITE
     except Exception:
         for _module in [m for m in sys.modules if m == _name or m.startswith(_name + ".")]:
             del sys.modules[_module]
+sys.path[:] = [""]
+sys.path_importer_cache.clear()
 
 
 # -- run time --------------------------------------------------------------------------------
