@@ -667,7 +667,7 @@ class FileSession:
     def read(self, fd: int, size: int) -> str:
         handle = self._readable(fd)
         data = self._guarded(lambda: os.read(handle.fd, min(size, MAX_READ)))
-        return str(data.decode("latin-1"))
+        return self._data(handle, data)
 
     def pread(self, fd: int, size: int, offset: int) -> str:
         """Read at ``offset`` without moving the descriptor's position."""
@@ -675,15 +675,22 @@ class FileSession:
         if offset < 0:
             raise FilesError("inval")
         data = self._guarded(lambda: os.pread(handle.fd, min(size, MAX_READ), offset))
-        return str(data.decode("latin-1"))
+        return self._data(handle, data)
 
     def _readable(self, fd: int) -> _Handle:
         handle = self._handle(fd)
-        if handle.is_dir:
-            raise FilesError("isdir")
         if not handle.readable:
             raise FilesError("badf")
         return handle
+
+    @staticmethod
+    def _data(handle: _Handle, data: bytes) -> str:
+        # A directory is read like a file, so that the host's own file system says how it
+        # fails (ext4: EISDIR, or EINVAL where position + size passes the largest offset);
+        # should a read of one ever succeed, the guest still gets no directory bytes.
+        if handle.is_dir:
+            raise FilesError("isdir")
+        return str(data.decode("latin-1"))
 
     def write(self, fd: int, data: str) -> int:
         """Write at the descriptor's position, or at the end of the file if it was opened
