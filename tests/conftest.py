@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import wasibox
-from wasibox.backends.wasm import WasmBackend, runtime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import runtime
 
 
 @pytest.fixture(scope="session")

@@ -337,7 +337,7 @@ class _Metrics:
             runner = tenant.sandbox._runner
             self.queue.labels(tenant.name).set(runner.queued)
             self.active.labels(tenant.name).set(runner.active)
-        from ..backends.wasm import runtime
+        from ..backends.wasm.runtime import runtime
 
         ready, target = runtime().pool_status()
         self.pool.set(ready)

@@ -1,4 +1,4 @@
-"""Memory-slot reuse (backends/_slots.py): on only for the verified library, off otherwise."""
+"""Memory-slot reuse (backends/wasm/slots.py): on only for the verified library, off otherwise."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import wasmtime
 
 from wasibox._guest import file_sha256
-from wasibox.backends import _slots
-from wasibox.backends.wasm import runtime
+from wasibox.backends.wasm import slots as _slots
+from wasibox.backends.wasm.runtime import runtime
 
 
 def test_slot_reuse_is_on_exactly_when_the_library_is_the_verified_build() -> None:
