@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -18,6 +19,16 @@ from wasibox.backends.wasm.runtime import runtime
 def sandbox() -> Iterator[wasibox.Sandbox]:
     with wasibox.Sandbox() as sb:
         yield sb
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (polled every 20 ms)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def open_fds() -> int:
