@@ -96,7 +96,7 @@ class Sandbox:
         max_concurrency: int | None = None,
         max_queue: int = 0,
         python_path: Sequence[str] = (),
-        packages: Sequence[str] | Packages = (),
+        packages: Sequence[str] | Packages | PackageSet = (),
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -371,7 +371,7 @@ class Sandbox:
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
-                                        self.python_path, self._package_pins()), request)
+                                        self.python_path, self.package_set), request)
         tape.save_to = target
         return tape
 
@@ -645,16 +645,21 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
-def _package_set(packages: Sequence[str] | Packages,
+def _package_set(packages: Sequence[str] | Packages | PackageSet,
                  backend: str | Backend) -> PackageSet | None:
-    """``packages`` resolved for the wasm guest, or None for none; raises as Sandbox says."""
-    wanted = packages_from(packages)
+    """``packages`` resolved for the wasm guest, or None for none; raises as Sandbox says.
+
+    A PackageSet is taken as it is: ``wasibox.replay`` passes the set a journal recorded,
+    found in the package cache, so that nothing is resolved again."""
+    wanted = packages if isinstance(packages, PackageSet) else packages_from(packages)
     if wanted is None:
         return None
     if backend not in ("auto", "wasm"):
         raise UsageError("packages= needs backend 'wasm' or 'auto': the microVM does not "
                          "install packages (its image has numpy, pandas and the like "
                          "already)")
+    if isinstance(wanted, PackageSet):
+        return wanted
     try:
         return resolve(wanted)
     except NativeOnlyPackage as exc:
