@@ -252,21 +252,27 @@ class Sandbox:
                                             _Context(stdin, argv, env, filename), journal))
 
     def call(self, code: str, entry: str, /, *args: Any,
-             limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+             limits: Mapping[str, Any] | None = None,
+             journal: Journal | str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
         """Run ``code``, then call its function ``entry`` with the arguments; return its value.
 
-        ``limits`` narrows this run's limits as in ``run`` (so it is not passed on to the
-        function: pass a keyword argument named ``limits`` with ``run(..., kwargs=...)``).
+        ``limits`` narrows this run's limits and ``journal`` records the run, as in ``run``
+        (so neither is passed on to the function: pass a keyword argument of either name
+        with ``run(..., kwargs=...)``). The journal records the call whether it returns or
+        raises, so a failed call can be replayed with ``wasibox replay``.
         Raises GuestError if the guest raised or exited non-zero, LimitExceeded if a limit
         was hit, and UsageError as ``run`` does.
         """
-        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs, limits=limits))
+        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs, limits=limits,
+                               journal=journal))
 
     async def acall(self, code: str, entry: str, /, *args: Any,
-                    limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+                    limits: Mapping[str, Any] | None = None,
+                    journal: Journal | str | os.PathLike[str] | None = None,
+                    **kwargs: Any) -> Any:
         """``call`` for async code; raises as ``call`` and ``arun`` do."""
         return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs,
-                                      limits=limits))
+                                      limits=limits, journal=journal))
 
     def close(self) -> None:
         """Close the sandbox; idempotent. Runs already in progress finish normally; runs
