@@ -547,3 +547,15 @@ def test_a_journals_wheels_name_only_files_inside_the_package_cache(
         path = package_set.wheel_path(wheel)
         assert path.parent.parent == wheels and ".." not in path.parts
         assert path.name == wheel.filename and "/" not in wheel.filename
+
+
+@pytest.mark.guest
+def test_a_package_set_sessions_snapshot_restores(package_sandbox: wasibox.Sandbox) -> None:
+    with package_sandbox.session(journal=wasibox.Journal()) as session:
+        assert session.run("import yaml\ndoc = yaml.safe_load('[1, 2]')").ok
+        assert session.run("doc.append(len(doc) + 1)").ok
+        snapshot = session.snapshot()
+    with package_sandbox.session(restore=snapshot) as restored:
+        assert restored.run("print(yaml.safe_dump(doc), end='')").stdout == "- 1\n- 2\n- 3\n"
+    with wasibox.Sandbox() as plain, pytest.raises(wasibox.UsageError, match="wheels"):
+        plain.session(restore=snapshot)  # a sandbox without the set cannot restore it
