@@ -21,16 +21,17 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from .._errors import UsageError
 from ..capabilities.files.mount import STAGING_DIR
 from ..capabilities.files.walk import DIR_FLAGS, Blocked, walk
 
 __all__ = ["FILE_LIMIT", "IDLE_TIMEOUT_S", "LIST_LIMIT", "SWEEP_INTERVAL_S", "WORKSPACE",
-           "WorkspaceStore", "list_workspace", "open_confined", "read_text", "workspace_parts",
-           "write_text"]
+           "FileState", "WorkspaceStore", "list_workspace", "open_confined", "read_text",
+           "staged_changes", "view_state", "workspace_files", "workspace_parts", "write_text"]
 
 #: Largest file the file tools write or read, in bytes.
 FILE_LIMIT = 1 * 2**20
@@ -241,20 +242,58 @@ def read_text(root: Path, path: str) -> str:
         raise UsageError(f"{path!r} is not UTF-8 text; inspect it with run_python") from None
 
 
-def list_workspace(root: Path) -> str:
-    """The files of the workspace ``root`` with their sizes, one a line (at most LIST_LIMIT),
-    without the staging directory; symbolic links are never followed."""
-    entries: list[str] = []
+def workspace_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Each file below ``root`` (a workspace, or a session's view of it), in order, with its
+    ``lstat``: at most LIST_LIMIT + 1 of them, so that a caller can say the walk stopped.
+    Paths are relative, as valid UTF-8 text (bytes that are not shown as escapes); no
+    symbolic link is followed, and wasibox's staging directories are left out."""
+    count = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != STAGING_DIR)
         for name in sorted(filenames):
             full = Path(dirpath) / name
             try:
-                size = full.lstat().st_size
+                info = full.lstat()
             except OSError:
                 continue
-            entries.append(f"{full.relative_to(root).as_posix()} ({size} bytes)")
-            if len(entries) >= LIST_LIMIT:
-                entries.append(f"[... listing stopped at {LIST_LIMIT} files ...]")
-                return "\n".join(entries)
+            relative = full.relative_to(root).as_posix()
+            yield relative.encode("utf-8", "backslashreplace").decode("utf-8"), info
+            count += 1
+            if count > LIST_LIMIT:
+                return
+
+
+def list_workspace(root: Path) -> str:
+    """The files of the workspace ``root`` with their sizes, one a line, as ``workspace_files``
+    gives them (at most LIST_LIMIT, then a line saying the listing stopped)."""
+    entries: list[str] = []
+    for path, info in workspace_files(root):
+        if len(entries) >= LIST_LIMIT:
+            entries.append(f"[... listing stopped at {LIST_LIMIT} files ...]")
+            break
+        entries.append(f"{path} ({info.st_size} bytes)")
     return "\n".join(entries) if entries else "(the workspace is empty)"
+
+
+#: A file of a session's view as seen before and after a call: (inode, size, mtime in ns).
+FileState = tuple[int, int, int]
+
+
+def view_state(view: Path | None) -> dict[str, FileState]:
+    """What each file of a live session's view of /workspace is now (nothing without one);
+    the first LIST_LIMIT + 1 files only, as list_files shows them."""
+    if view is None:
+        return {}
+    return {path: (info.st_ino, info.st_size, info.st_mtime_ns)
+            for path, info in workspace_files(view)}
+
+
+def staged_changes(before: dict[str, FileState],
+                   after: dict[str, FileState]) -> list[dict[str, Any]]:
+    """The files a session call wrote or deleted under /workspace, from the states of its
+    view before and after the call: path, size and change ("written" or "deleted")."""
+    written = [{"path": f"{WORKSPACE}/{path}", "size": state[1], "change": "written"}
+               for path, state in after.items() if before.get(path) != state]
+    deleted = [{"path": f"{WORKSPACE}/{path}", "size": 0, "change": "deleted"}
+               for path in before if path not in after]
+    return sorted(written + deleted, key=lambda change: str(change["path"]))
