@@ -14,14 +14,10 @@ from hypothesis import strategies as st
 
 from wasibox import UsageError
 from wasibox._select import WASM_MODULES, imported_modules, needs_microvm
-from wasibox.backends.microvm.backend import (
-    MAX_FRAME_BYTES,
-    Channel,
-    ConsoleRing,
-    MicroVMBackend,
-    emulation_allowed,
-)
+from wasibox.backends.microvm.backend import MicroVMBackend
+from wasibox.backends.microvm.channel import MAX_FRAME_BYTES, Channel, ConsoleRing
 from wasibox.backends.microvm.image import ImageConfig, extract_vmlinux, write_cpio
+from wasibox.backends.microvm.runtime import emulation_allowed
 
 VM_MODULES = frozenset({"numpy", "pandas", "msgpack", "json", "ctypes"})
 

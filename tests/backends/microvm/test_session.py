@@ -10,7 +10,8 @@ import pytest
 
 import wasibox
 from wasibox import Limit, Limits, SessionEnd, SessionEnded
-from wasibox.backends.microvm.backend import FUEL_PER_CPU_SECOND, MicroVMRuntime
+from wasibox.backends.microvm.backend import FUEL_PER_CPU_SECOND
+from wasibox.backends.microvm.runtime import MicroVMRuntime
 
 from .test_backend import VM_LIMITS, _no_orphans, vm_runtime  # noqa: F401 - the fixture
 
