@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.backends.microvm.host_tree import host_view
 from wasibox import Mount, UsageError
 from wasibox.backends.microvm.files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
 from wasibox.capabilities.files.mount import STAGING_DIR
@@ -57,21 +58,6 @@ def entries_sent(copy_in: CopyIn) -> dict[int, list[list[Any]]]:
 
 def files(frame_entries: list[list[Any]], index: int = 1) -> dict[str, Any]:
     return {"kind": "files", "mount": index, "entries": frame_entries}
-
-
-def host_view(root: Path) -> dict[str, str]:
-    found = {}
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root).as_posix()
-        if relative.startswith(STAGING_DIR):
-            continue
-        if path.is_symlink():
-            found[relative] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            found[relative] = "/"
-        else:
-            found[relative] = path.read_text()
-    return found
 
 
 def test_the_copy_in_is_the_wasm_guests_view(tree: dict[str, Path]) -> None:
