@@ -36,12 +36,17 @@ Guest to host::
     ["x", rel, reason]                             an entry that must not be published
     ["q", what, used, cap]                         over the quota: nothing is published
 
-This file never imports the host package.
+This file never imports the host package; the one host module it shares, dependency-free,
+is packed into the image beside it (``wasibox_refusals``).
 """
 
 import ctypes
 import os
 import stat
+
+# Packed beside this file from the host's wasibox/capabilities/files/refusals.py: the
+# deepest nesting reported and the refusal reasons are the host's own.
+from wasibox_refusals import MAX_DEPTH, refusal
 
 __all__ = ["Mounts"]
 
@@ -51,8 +56,6 @@ MNT_DETACH = 2
 NOBODY = 65534
 #: Where the job's root is built (inside the VM's /run tmpfs).
 ROOT = "/run/wasibox/root"
-#: Directory levels below a mount that are reported (the wasm backend's MAX_DEPTH).
-MAX_DEPTH = 32
 #: Data in one frame to the host, and entries in one frame (the host accepts 1024).
 FRAME_DATA = 1 << 20
 FRAME_ENTRIES = 512
@@ -70,18 +73,6 @@ def _mount(source, target, fstype, flags, data=None):
                    flags, data and data.encode()) != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"mount {target}: {os.strerror(number)}")
-
-
-def _refusal(mode):
-    if stat.S_ISLNK(mode):
-        return "symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "not a regular file or directory"
 
 
 class Mounts:
@@ -296,7 +287,7 @@ class Mounts:
                 plan.append(["d", rel] if depth <= MAX_DEPTH else
                             ["x", rel, "nested too deep"])
             elif not stat.S_ISREG(mode):
-                plan.append(["x", rel, _refusal(mode)])
+                plan.append(["x", rel, refusal(mode)])
             else:
                 if st.st_nlink > 1 and primary.get(st.st_ino) != rel:
                     plan.append(["x", rel, "hard link"])
