@@ -19,7 +19,9 @@ would see them:
 
 After the job, :meth:`Mounts.collect` walks each writable mount without following anything
 and reports its final state to the host, which applies it to the run's staging directory
-and publishes it with the wasm backend's own code. The host trusts none of it.
+and publishes it with the wasm backend's own code. The host trusts none of it. In a
+session it reports after every call, each time sending only the files changed since its
+last report.
 
 Entries, host to guest (one ``files`` frame holds several; ``rel`` is "/"-joined)::
 
@@ -263,6 +265,7 @@ class Mounts:
         where = self._where(index)
         baseline = self._baseline.get(index, {})
         plan = []
+        held = {}  # what the host's staging holds once this report is applied
         total_bytes = 0
         walked = list(self._walk(where))
         # A hard link the job made (the wasm guest cannot make one) is published under one
@@ -300,6 +303,7 @@ class Mounts:
                 else:
                     same = before == now
                 plan.append(["k", rel] if same else ["f", rel, stat.S_IMODE(mode)])
+                held[rel] = now
                 total_bytes += st.st_size
         entries_used = sum(1 for item in plan if item[0] in "dkf")
         if total_bytes > spec["cap_bytes"]:
@@ -327,6 +331,9 @@ class Mounts:
                 batch, size = [], 0
         if batch:
             send({"kind": "files", "mount": index, "entries": batch})
+        # A session reports again after its next call: only what changed since this report
+        # is sent then (a file changed while it was read here changes its ctime, so it is).
+        self._baseline[index] = held
 
     @staticmethod
     def _chunks(path):

@@ -17,7 +17,7 @@ from ..._control import RunControl, RunState
 from ..._errors import EmulationRefused, UsageError
 from ..._events import CapabilityEvent
 from ..._limits import Limit, Limits
-from ..._result import GuestException, Outcome
+from ..._result import GuestException, Outcome, RefusedFile
 from ...capabilities.files.session import FileSession
 from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
@@ -114,15 +114,15 @@ class MicroVMBackend(Backend):
                      files: FileSession | None) -> BackendSession:
         """One VM kept for a session's calls: its agent keeps one unprivileged interpreter.
 
-        Raises EmulationRefused as ``execute`` does, UsageError for a memory cap below the
-        VM's minimum and for mounts (a microVM session cannot copy them in and out yet).
+        ``files`` (the session's view of its mounts) is copied in with the first call, and
+        the writable mounts' state comes back into its staging after every call.
+
+        Raises EmulationRefused as ``execute`` does, and UsageError for a memory cap below
+        the VM's minimum or for mounts that hold more than the VM takes (before a VM starts).
         """
         self.check_allowed()
         _check_memory(limits)
-        if files is not None:
-            raise UsageError("a microVM session cannot use mounts yet; use the wasm backend "
-                             "for a session with mounts, or Sandbox.run for each call")
-        return _MicroVMSession(self, limits)
+        return _MicroVMSession(self, limits, files)
 
     def _drive(self, vm: VM, request: dict[str, Any], calls: HostCalls, output_bytes: int,
                memory_bytes: int, deadline: float, started: float,
@@ -286,11 +286,26 @@ class _MicroVMSession(BackendSession):
     does not end with the agent's report (a limit, a fault, a cancel) kills the VM: the
     session is over. Runs here are not deterministic, so a session on the microVM cannot be
     replayed.
+
+    Mounts: the session's view of them (``files``, its staging kept for the session's life)
+    is copied into the VM with the first call. After every call that leaves the session
+    live, the agent reports its writable mounts, and the staging is brought to the same
+    state, checked and held to the quota as a run's copy-out is; the session publishes the
+    staging when it ends (``wasibox._session``). A call cut short kills the VM before it
+    can report, so what it wrote is lost even with ``publish="always"``, which then
+    publishes the state after the last call that completed.
     """
 
-    def __init__(self, backend: MicroVMBackend, limits: Limits) -> None:
+    def __init__(self, backend: MicroVMBackend, limits: Limits,
+                 files: FileSession | None) -> None:
         self._backend = backend
         self._memory_bytes = limits.memory_bytes
+        self._files = files
+        # Sized up before a VM starts (UsageError if the mounts do not fit in it); sent with
+        # the first call, and the base every later account of the mounts is taken against.
+        self._copy_in = CopyIn(files, limits.memory_bytes) if files is not None else None
+        self._copied_in = False
+        self._refused: list[RefusedFile] = []  # what the latest account refused
         memory_mib = math.ceil(limits.memory_bytes / 2**20)
         runtime = backend.runtime
         runtime.template(memory_mib)
@@ -314,20 +329,35 @@ class _MicroVMSession(BackendSession):
         if control.cancelled:
             return Outcome(limit_exceeded=Limit.CANCELLED, isolation=self._backend.isolation)
         request = _request(job)
+        copy_in, files = self._copy_in, self._files
+        if copy_in is not None and not self._copied_in:
+            request["mounts"] = copy_in.specs()  # the agent builds them before its child
+        else:
+            copy_in = None
+        copy_out = CopyOut(files, self._copy_in) \
+            if files is not None and self._copy_in is not None else None
         started = time.perf_counter()
         log: list[CapabilityEvent] = []
         control.enter(RunState.RUNNING)
         detach = control.on_cancel(vm.stop)
         try:
+            self._copied_in = True  # sent now, or the VM is gone with the call
             outcome = self._backend._drive(
                 vm, request, _host_calls(job, log), job.limits.output_bytes,
-                self._memory_bytes, time.monotonic() + job.limits.timeout_s, started)
+                self._memory_bytes, time.monotonic() + job.limits.timeout_s, started,
+                copy_in, copy_out)
         finally:
             detach()
+            if copy_out is not None:
+                copy_out.close()
         outcome = _settled(outcome, control, log)
         if outcome.reply is None or outcome.limit_exceeded is not None \
                 or outcome.fault is not None:
             self.close()  # the agent's interpreter is gone, or cannot be trusted to go on
+        elif copy_out is not None and files is not None:
+            # The account is complete: it replaces the previous one's refusals.
+            files.withdraw(self._refused)
+            self._refused = copy_out.refused
         return outcome
 
     def close(self) -> None:
