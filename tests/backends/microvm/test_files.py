@@ -193,6 +193,9 @@ def test_the_staging_directory_is_a_reserved_name(tree: dict[str, Path]) -> None
     [["f", "a", 0o644, b"x" * 300, True], ["f", "b", 0o644, b"x" * 300, True]],
     [["d", f"d{i}"] for i in range(5)],
     [["q", "bytes", 10**9, 1000]],
+    # Refusals are entries too: a guest naming endless ones must not grow the host's list.
+    [["x", f"fifo{i}", "a FIFO"] for i in range(5)],
+    [["f", "a", 0o644, b"x", True], ["d", "b"], *[["x", f"p{i}"] for i in range(3)]],
 ])
 def test_over_the_quota_fails_the_run(tree: dict[str, Path],
                                       entries: list[list[Any]]) -> None:

@@ -361,13 +361,13 @@ class CopyOut:
             raise ValueError("a file ended without its last chunk")
         if parts[0] == STAGING_DIR:
             if len(parts) == 1:
-                self.refused.append(self.session.refuse(_guest(target, parts), "reserved name"))
+                self._refuse(target, parts, "reserved name")
             return
         for depth in range(1, len(parts)):
             target.mentioned.add(parts[:depth])
         if kind == "x":
             reason = entry[2] if len(entry) > 2 and isinstance(entry[2], str) else "refused"
-            self.refused.append(self.session.refuse(_guest(target, parts), reason[:200]))
+            self._refuse(target, parts, reason[:200])
             return
         if kind == "d":
             self._count(target, parts)
@@ -409,11 +409,22 @@ class CopyOut:
         else:
             raise ValueError(f"an unknown files entry {kind!r}")
 
+    def _refuse(self, target: _Target, parts: tuple[str, ...], reason: str) -> None:
+        # A refused entry is still an entry of the guest's copy of the mount, and counting
+        # it against the file quota is what bounds the list: the guest names as many as it
+        # likes, and each costs host memory until the run ends.
+        self._over_files(target)
+        self.refused.append(self.session.refuse(_guest(target, parts), reason))
+
     def _count(self, target: _Target, parts: tuple[str, ...]) -> None:
         if parts in target.reported:
             raise ValueError(f"{'/'.join(parts)!r} was reported twice")
         target.reported.add(parts)
         target.mentioned.add(parts)
+        self._over_files(target)
+
+    @staticmethod
+    def _over_files(target: _Target) -> None:
         target.files += 1
         if target.files > target.cap_files:
             raise QuotaExceeded(f"the run left more than {target.cap_files} files and "
