@@ -255,7 +255,7 @@ def _native_wheelhouse(directory: Path, project: str) -> Path:
 
 
 def test_a_native_only_package_the_microvm_has_points_there(tmp_path: Path) -> None:
-    from wasibox.backends.microvm.backend import vm_modules
+    from wasibox.backends.microvm.runtime import vm_modules
 
     if "numpy" not in vm_modules():
         pytest.skip("this machine's microVM image configuration has no numpy")
