@@ -255,7 +255,7 @@ def _native_wheelhouse(directory: Path, project: str) -> Path:
 
 
 def test_a_native_only_package_the_microvm_has_points_there(tmp_path: Path) -> None:
-    from wasibox.backends.microvm.backend import vm_modules
+    from wasibox.backends.microvm.runtime import vm_modules
 
     if "numpy" not in vm_modules():
         pytest.skip("this machine's microVM image configuration has no numpy")
@@ -358,8 +358,10 @@ def test_unpacking_writes_only_inside_the_site(names: list[str]) -> None:
         with pytest.MonkeyPatch.context() as monkeypatch:
             try:
                 package_set = _cached_set(monkeypatch, root, dict.fromkeys(names, b"x"))
-            except (ValueError, IndexError, FileExistsError):
-                return  # a name zipfile itself cannot write
+            except (ValueError, IndexError, FileExistsError, UserWarning):
+                # A name zipfile itself cannot write, or two that it writes as one (it cuts
+                # a name at NUL, and its duplicate-name warning is an error in this suite).
+                return
             site = root / "build" / "site"
             site.mkdir(parents=True)
             try:

@@ -445,7 +445,7 @@ class Sandbox:
         lacking = wasm_lacks(job.code, self.requires)
         if not lacking:
             return self._backend
-        from .backends.microvm.backend import microvm_available, vm_modules
+        from .backends.microvm.runtime import microvm_available, vm_modules
 
         if not (microvm_available() and lacking & vm_modules()):
             return self._backend
@@ -669,7 +669,7 @@ def _package_set(packages: Sequence[str] | Packages | PackageSet,
     try:
         return resolve(wanted)
     except NativeOnlyPackage as exc:
-        from .backends.microvm.backend import vm_modules
+        from .backends.microvm.runtime import vm_modules
 
         module = exc.package.lower().replace("-", "_")
         if module in vm_modules():
