@@ -22,7 +22,8 @@ import time
 
 import wasibox
 from wasibox import Limit, RunState
-from wasibox.backends.wasm import WasmBackend, WasmRuntime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import WasmRuntime
 
 CODE = "print(1+1)"
 BLOCK = 25

@@ -31,8 +31,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import wasmtime
+
 import wasibox
-from wasibox.backends import wasm
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import WasmRuntime
 
 CHUNK = 1 << 16
 
@@ -141,23 +144,23 @@ def main() -> None:
           f"(host Python + fsync {mb / host_write_s:.0f} MB/s)")
 
     # 4. the rejected alternative: wasmtime's WASI filesystem, preopened
-    real_config = wasm.wasmtime.WasiConfig
+    real_config = wasmtime.WasiConfig
 
     def preopened_config() -> object:
         config = real_config()
         config.preopen_dir(str(data), "/pre", False)
         return config
 
-    wasm.wasmtime.WasiConfig = preopened_config  # bench only: grant a real WASI preopen
+    wasmtime.WasiConfig = preopened_config  # bench only: grant a real WASI preopen
     try:
-        backend = wasm.WasmBackend(wasm.WasmRuntime(pool_size=0))
+        backend = WasmBackend(WasmRuntime(pool_size=0))
         with wasibox.Sandbox(limits, backend=backend) as sb:
             wasi_code = ("import wasibox_files\n" + read_code.replace(
                 "open(", "wasibox_files._real_open(").replace("/data/", "/pre/"))
             wasi_read_s = median_s(5, lambda: ok(sb.run(wasi_code)))
             wasi_text_s = median_s(5, lambda: ok(sb.run(wasi_code.replace("big.bin", "big.csv"))))
     finally:
-        wasm.wasmtime.WasiConfig = real_config
+        wasmtime.WasiConfig = real_config
     print(f"read, wasmtime WASI preopen:    {mb / wasi_read_s:7.0f} MB/s random bytes, "
           f"{mb / wasi_text_s:.0f} MB/s ASCII text (mediated: {wasi_read_s / read_s:.2f}x and "
           f"{wasi_text_s / text_s:.2f}x its speed)")

@@ -63,7 +63,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import wasibox
-from wasibox.backends.wasm import WasmBackend, WasmRuntime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import WasmRuntime
 
 CODE = "print(1+1)"
 EXPECTED = "2\n"

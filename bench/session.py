@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 import wasibox
-from wasibox.backends.wasm import runtime
+from wasibox.backends.wasm.runtime import runtime
 
 #: One step of a notebook-like session: it reads and extends the state earlier steps left.
 STEP = "rows.append(sum(range(200)) + len(rows))\nprint(len(rows))"

@@ -5,18 +5,30 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 import wasibox
-from wasibox.backends.wasm import WasmBackend, runtime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import runtime
 
 
 @pytest.fixture(scope="session")
 def sandbox() -> Iterator[wasibox.Sandbox]:
     with wasibox.Sandbox() as sb:
         yield sb
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``seconds`` (polled every 20 ms)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def open_fds() -> int:

@@ -20,7 +20,8 @@ import wasibox
 from wasibox import Busy, Limit, Limits, RunState, Sandbox
 from wasibox.backends.base import Job, Outcome, RunControl
 from wasibox.backends.fake import FakeBackend
-from wasibox.backends.wasm import WasmBackend, WasmRuntime, runtime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import WasmRuntime, runtime
 from wasibox.capabilities.files.mount import STAGING_DIR
 
 from .conftest import PYTHON, RUN_PATHS, child_env, open_fds

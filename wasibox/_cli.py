@@ -391,7 +391,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from ._guest import ensure_guest
     from ._packages import resolve
     from ._progress import stderr_reporter
-    from .backends.wasm import runtime
+    from .backends.wasm.runtime import runtime
 
     report = stderr_reporter(min_interval_s=2.0)
     started = time.perf_counter()
@@ -470,10 +470,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         *(("package set", line) for line in cached_package_guests() or ["none built"]),
         ("kvm", kvm_state),
     ]
-    from .backends import wasm
-    from .backends.microvm.cli import doctor_rows
+    from .backends.microvm.cli import doctor_rows as microvm_rows
+    from .backends.wasm.runtime import doctor_rows as wasm_rows
 
-    rows += wasm.doctor_rows() + doctor_rows()
+    rows += wasm_rows() + microvm_rows()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

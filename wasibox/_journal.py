@@ -39,8 +39,9 @@ host-function results, HTTP responses, file contents read) is recorded, since a 
 needs it: treat a journal as you would the data the guest was allowed to see.
 
 The backend records through a ``Tape`` (one per call), at the host functions that serve
-those values (``backends/wasm.py``); on a replay the same tape serves them back without
-touching the host, and refuses a call the journal does not hold (the replay diverged).
+those values (``taped`` in ``backends/wasm/run.py``); on a replay the same tape serves them
+back without touching the host, and refuses a call the journal does not hold (the replay
+diverged).
 """
 
 from __future__ import annotations

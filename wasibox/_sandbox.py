@@ -684,7 +684,8 @@ def _make_backend(backend: str | Backend, allow_emulation: bool | None = None, *
     if isinstance(backend, Backend):
         return backend
     if backend == "wasm":
-        from .backends.wasm import WasmBackend, runtime
+        from .backends.wasm.backend import WasmBackend
+        from .backends.wasm.runtime import runtime
 
         if packages is not None:
             from ._guest import ensure_guest

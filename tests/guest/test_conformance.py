@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Limit, Limits
-from wasibox.backends.wasm import TRAP_KINDS, trap_kind
+from wasibox.backends.wasm.traps import TRAP_KINDS, trap_kind
 
 pytestmark = pytest.mark.guest
 

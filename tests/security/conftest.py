@@ -45,7 +45,7 @@ def rss_bytes() -> int:
     """The host's private resident memory now (not its peak), after a garbage collection.
 
     Pages of mapped files do not count: each memory slot the instance pool opens maps the
-    compiled guest's image and reads it in once (see ``backends/_slots.py``), and those pages
+    compiled guest's image and reads it in once (see ``backends/wasm/slots.py``), and those pages
     are the kernel's page cache, shared by every slot, not memory the host holds on to.
     """
     gc.collect()

@@ -18,8 +18,9 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from tests.conftest import PYTHON, child_env
-from wasibox.backends import wasm
-from wasibox.backends._stack import thread_stack_bytes
+from wasibox.backends.wasm.engine import ENGINE_SETTINGS, MAX_WASM_STACK, MIN_HOST_STACK
+from wasibox.backends.wasm.runtime import runtime
+from wasibox.backends.wasm.stack import thread_stack_bytes
 
 # The oldest wasmtime(-py) release wasibox accepts. wasmtime-py 50.0.1 is the newest on PyPI;
 # its bundled engine reports itself as 50.0.0. The floor covers these advisories (GHSA ids of
@@ -47,13 +48,13 @@ LOOP_MODULE = '(module (func (export "spin") (loop $l (br $l))))'
 
 @pytest.fixture(scope="module")
 def engine() -> wasmtime.Engine:
-    return wasm.runtime().engine
+    return runtime().engine
 
 
 def _settings_engine(strategy: int) -> wasmtime.Engine:
     """A fresh engine with wasibox's settings but the given compiler (1 Cranelift, 2 Winch)."""
     config = wasmtime.Config()
-    for name, value in wasm.ENGINE_SETTINGS.items():
+    for name, value in ENGINE_SETTINGS.items():
         if hasattr(wasmtime.Config, name):
             setattr(config, name, value)
         else:
@@ -74,7 +75,7 @@ def test_wasmtime_is_at_or_above_the_floor() -> None:
 
 
 def test_the_engine_compiles_with_cranelift_not_winch(engine: wasmtime.Engine) -> None:
-    assert wasm.ENGINE_SETTINGS["strategy"] == "cranelift"
+    assert ENGINE_SETTINGS["strategy"] == "cranelift"
     assert not engine.is_pulley()  # native code, not the portable interpreter
     # Wasmtime refuses to load code compiled with a different calling convention, so the
     # real engine accepts Cranelift's output and refuses Winch's.
@@ -138,8 +139,8 @@ def test_epoch_interruption_is_on(engine: wasmtime.Engine) -> None:
 
 
 def test_wasm_stack_is_capped_and_smaller_than_host_stacks(engine: wasmtime.Engine) -> None:
-    assert wasm.MAX_WASM_STACK == wasm.ENGINE_SETTINGS["max_wasm_stack"] == 1 << 20
-    assert wasm.MIN_HOST_STACK > wasm.MAX_WASM_STACK
+    assert MAX_WASM_STACK == ENGINE_SETTINGS["max_wasm_stack"] == 1 << 20
+    assert MIN_HOST_STACK > MAX_WASM_STACK
     # Runs execute on the thread that calls Sandbox.run. On Linux both the main thread and a
     # default threading.Thread have more stack than the guest may use, so they run in place;
     # smaller threads hand the call to a helper (test below).
@@ -149,7 +150,7 @@ def test_wasm_stack_is_capped_and_smaller_than_host_stacks(engine: wasmtime.Engi
     worker.start()
     worker.join()
     for size in (main, sizes[0]):
-        assert size is not None and size > wasm.MAX_WASM_STACK
+        assert size is not None and size > MAX_WASM_STACK
     # The cap is enforced by the engine: unbounded wasm recursion is a trap, not a crash.
     store = wasmtime.Store(engine)
     store.set_fuel(10**9)

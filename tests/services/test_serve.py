@@ -336,6 +336,7 @@ def test_a_client_that_goes_away_cancels_its_run(server: Server, code: str) -> N
         while 'wasibox_active_runs{tenant="patient"} 0.0' not in client.get("/metrics").text:
             assert time.monotonic() < deadline, "the abandoned run still holds its slot"
             time.sleep(0.02)
+
     def cancelled_runs() -> int:
         return sum(1 for line in server.run_logs()
                    if line["tenant"] == "patient" and line["limit"] == "cancelled")

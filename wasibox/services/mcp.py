@@ -11,8 +11,8 @@ code, a timeout that is clamped to the policy's, and workspace-relative paths. E
 receives name the configuration keys the operator can change, never a Python API the model
 cannot call.
 
-Sessions. Every MCP session gets its own workspace directory, mounted writable at
-``/workspace``, so files persist from call to call. When the policy enables sessions
+Sessions. Every MCP session gets its own workspace directory (``workspace.py``), mounted
+writable at ``/workspace``, so files persist from call to call. When the policy enables sessions
 (``[tenants.NAME.sessions] enabled``, on by default), every MCP session also gets one live
 interpreter (a ``wasibox.Session``): ``run_python`` calls share its variables, imports and open
 files, as an agent used to a notebook expects, and a ``reset`` tool ends it. A call that
@@ -41,21 +41,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import inspect
 import ipaddress
 import json
-import os
 import re
-import shutil
 import signal
-import stat
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -70,26 +65,28 @@ from .._result import RunResult, json_value
 from .._sandbox import Sandbox
 from .._session import Session
 from .._version import __version__
-from ..capabilities.files.mount import STAGING_DIR, Mount
-from ..capabilities.files.walk import DIR_FLAGS, Blocked, walk
+from ..capabilities.files.mount import Mount
 from ..capabilities.hostcall import HostCalls, StopRun, host_error_message
 from .config import Config, TenantConfig, load_config
+from .workspace import (
+    FILE_LIMIT,
+    IDLE_TIMEOUT_S,
+    WORKSPACE,
+    FileState,
+    WorkspaceStore,
+    list_workspace,
+    read_text,
+    staged_changes,
+    view_state,
+    write_text,
+)
 
-__all__ = ["McpPolicy", "RunReport", "SessionPool", "WorkspaceStore", "call_host_function",
+__all__ = ["McpPolicy", "RunReport", "SessionPool", "call_host_function",
            "create_mcp_server", "describe_functions", "describe_result", "operator_message",
            "serve_mcp", "structured_result"]
 
 #: Characters of stdout (and of stderr) a tool result carries before it is cut with a marker.
 TEXT_LIMIT = 20_000
-#: Largest file the file tools write or read, in bytes.
-FILE_LIMIT = 1 * 2**20
-#: Entries list_files reports at most.
-LIST_LIMIT = 1_000
-#: A workspace not touched for this long is deleted (seconds).
-IDLE_TIMEOUT_S = 30 * 60.0
-WORKSPACE = "/workspace"
-#: Longest wait between two sweeps for idle workspaces (seconds).
-SWEEP_INTERVAL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,116 +133,6 @@ class McpPolicy:
     def warnings(self) -> list[str]:
         """What the operator should know at start-up (see ``TenantConfig.warnings``)."""
         return self.config.warnings(self.tenant)
-
-
-class WorkspaceStore:
-    """One directory per session under a private temporary root; idle ones are deleted.
-
-    A daemon thread sweeps for idle workspaces, so one is deleted on time even when no other
-    call comes in; ``close`` stops it and deletes everything.
-    """
-
-    def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="wasibox-mcp-"))
-        self.idle_timeout_s = idle_timeout_s
-        #: Called with a session's key before its workspace is deleted (a live interpreter
-        #: holds a view of it).
-        self.on_drop: Callable[[str], object] = _ignore
-        self._dirs: dict[str, tuple[Path, float]] = {}
-        self._expired: set[str] = set()
-        self._busy: dict[str, int] = {}  # runs using a session's workspace right now
-        self._lock = threading.Lock()
-        self._count = 0
-        self._closed = threading.Event()
-        interval = min(max(idle_timeout_s / 4, 0.05), SWEEP_INTERVAL_S)
-        self._sweeper = threading.Thread(target=self._sweep_until_closed, args=(interval,),
-                                         name="wasibox-mcp-sweeper", daemon=True)
-        self._sweeper.start()
-
-    def _sweep_until_closed(self, interval: float) -> None:
-        while not self._closed.wait(interval):
-            self.sweep()
-
-    def get(self, key: str) -> Path:
-        """The workspace of session ``key``, made on first use; marks it used now."""
-        return self.acquire(key)[0]
-
-    def acquire(self, key: str, *, hold: bool = False) -> tuple[Path, bool]:
-        """Like ``get``; the flag says the session's old workspace was deleted as idle.
-
-        With ``hold``, the workspace is in use (never idle) until ``release(key)``.
-        """
-        self.sweep()
-        with self._lock:
-            if hold:
-                self._busy[key] = self._busy.get(key, 0) + 1
-            entry = self._dirs.get(key)
-            renewed = False
-            if entry is None:
-                self._count += 1
-                path = self.root / f"session-{self._count}"
-                path.mkdir(mode=0o700)
-                renewed = key in self._expired
-                self._expired.discard(key)
-            else:
-                path = entry[0]
-            self._dirs[key] = (path, time.monotonic())
-            return path, renewed
-
-    def release(self, key: str) -> None:
-        """End a ``hold``: the workspace counts as used now, and can become idle again."""
-        with self._lock:
-            left = self._busy.pop(key, 0) - 1
-            if left > 0:
-                self._busy[key] = left
-            entry = self._dirs.get(key)
-            if entry is not None:
-                self._dirs[key] = (entry[0], time.monotonic())
-
-    def ephemeral(self) -> Path:
-        """A workspace for one call outside any session (delete it with ``discard``)."""
-        return Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
-
-    def discard(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-
-    def drop(self, key: str) -> None:
-        """Delete the workspace of a session that ended."""
-        self.on_drop(key)
-        with self._lock:
-            entry = self._dirs.pop(key, None)
-            self._expired.discard(key)
-        if entry is not None:
-            shutil.rmtree(entry[0], ignore_errors=True)
-
-    def sweep(self) -> None:
-        """Delete the workspaces idle for longer than the timeout."""
-        now = time.monotonic()
-        with self._lock:
-            idle = [(key, path) for key, (path, used) in self._dirs.items()
-                    if now - used > self.idle_timeout_s and key not in self._busy]
-            for key, _ in idle:
-                del self._dirs[key]
-                self._expired.add(key)
-        for key, path in idle:
-            self.on_drop(key)
-            shutil.rmtree(path, ignore_errors=True)
-
-    def close(self) -> None:
-        """Stop sweeping and delete every workspace (idempotent)."""
-        self._closed.set()
-        if self._sweeper is not threading.current_thread():
-            self._sweeper.join()
-        with self._lock:
-            keys = list(self._dirs)
-            self._dirs.clear()
-        for key in keys:
-            self.on_drop(key)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _ignore(key: str) -> None:
-    return None
 
 
 class SessionPool:
@@ -352,7 +239,7 @@ def _limit_words(result: RunResult, limits: Limits) -> str:
 def describe_result(result: RunResult, limits: Limits, notes: list[str],
                     staged: list[dict[str, Any]] | None = None) -> str:
     """The plain-text report of a run that a model reads; ``staged`` lists what a session
-    call changed under /workspace, not yet published (see ``staged_changes``)."""
+    call changed under /workspace, not yet published (see ``workspace.staged_changes``)."""
     lines: list[str] = []
     if result.ok:
         lines.append("status: ok")
@@ -462,146 +349,6 @@ def operator_message(exc: BaseException) -> str:
         text = pattern.sub(words, text)
     return (f"{text}\n(this server's operator sets its limits and backend in its "
             "configuration file; a tool call cannot change them)")
-
-
-# -- confined paths ---------------------------------------------------------------------------
-
-def _workspace_parts(path: str) -> tuple[str, ...]:
-    """``path`` (relative, or under /workspace) as its components inside the workspace.
-    Raises UsageError for anything that would leave it."""
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise UsageError("give a file path such as 'data/input.csv'")
-    pure = PurePosixPath(path)
-    if pure.is_absolute():
-        try:
-            pure = pure.relative_to(WORKSPACE)
-        except ValueError:
-            raise UsageError(f"{path!r} is outside the workspace; use a path relative to "
-                             f"{WORKSPACE}") from None
-    parts = pure.parts
-    if any(part in ("..", STAGING_DIR) for part in parts) or "\\" in path:
-        raise UsageError(f"{path!r} leaves the workspace; '..' is not allowed")
-    return parts
-
-
-def _open_confined(root: Path, path: str, flags: int, *, make_dirs: bool = False) -> int:
-    """Open the file ``path`` inside the workspace ``root`` with the confinement walker.
-
-    No symbolic link is followed, on the way or at the end (the guest cannot make one, and
-    one planted there could lead out of the workspace), and there is no window between a
-    check and the open. A FIFO cannot hang the server: the file is opened non-blocking and
-    must be a regular file. With ``make_dirs``, missing directories on the way are made.
-    Raises UsageError.
-    """
-    parts = _workspace_parts(path)
-    if not parts:
-        raise UsageError("give a file path, not the workspace itself")
-    root_fd = os.open(root, DIR_FLAGS)
-    try:
-        parent = walk(root_fd, parts[:-1], create=make_dirs)
-    except Blocked as stop:
-        if stop.is_link:
-            raise UsageError(f"{path!r} goes through a symbolic link, which is refused") from None
-        if isinstance(stop.error, FileNotFoundError):
-            raise UsageError(f"there is no file {path!r} in the workspace") from None
-        raise UsageError(f"{path!r} goes through {stop.part!r}, which is not a directory "
-                         "in the workspace") from None
-    finally:
-        os.close(root_fd)
-    try:
-        fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
-                     dir_fd=parent)
-    except FileNotFoundError:
-        raise UsageError(f"there is no file {path!r} in the workspace") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UsageError(f"{path!r} is a symbolic link, which is refused") from None
-        raise UsageError(f"cannot open {path!r}: {exc.strerror}") from None
-    finally:
-        os.close(parent)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UsageError(f"{path!r} is not a regular file")
-    return fd
-
-
-def _write(root: Path, path: str, content: str) -> str:
-    data = content.encode("utf-8")
-    if len(data) > FILE_LIMIT:
-        raise UsageError(f"the content is {len(data)} bytes; files are capped at "
-                         f"{FILE_LIMIT} bytes")
-    fd = _open_confined(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_dirs=True)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    return f"wrote {len(data)} bytes to {WORKSPACE}/{'/'.join(_workspace_parts(path))}"
-
-
-def _read(root: Path, path: str) -> str:
-    fd = _open_confined(root, path, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(FILE_LIMIT + 1)
-    if len(data) > FILE_LIMIT:
-        raise UsageError(f"{path!r} is over {FILE_LIMIT} bytes; read it in code and print "
-                         "the part you need")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{path!r} is not UTF-8 text; inspect it with run_python") from None
-
-
-def _workspace_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """Each file below ``root`` (a workspace, or a session's view of it), in order, with its
-    ``lstat``: at most LIST_LIMIT + 1 of them, so that a caller can say the walk stopped.
-    Paths are relative, as valid UTF-8 text (bytes that are not shown as escapes); no
-    symbolic link is followed, and wasibox's staging directories are left out."""
-    count = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != STAGING_DIR)
-        for name in sorted(filenames):
-            full = Path(dirpath) / name
-            try:
-                info = full.lstat()
-            except OSError:
-                continue
-            relative = full.relative_to(root).as_posix()
-            yield relative.encode("utf-8", "backslashreplace").decode("utf-8"), info
-            count += 1
-            if count > LIST_LIMIT:
-                return
-
-
-def _list(root: Path) -> str:
-    entries: list[str] = []
-    for path, info in _workspace_files(root):
-        if len(entries) >= LIST_LIMIT:
-            entries.append(f"[... listing stopped at {LIST_LIMIT} files ...]")
-            break
-        entries.append(f"{path} ({info.st_size} bytes)")
-    return "\n".join(entries) if entries else "(the workspace is empty)"
-
-
-#: A file of a session's view as seen before and after a call: (inode, size, mtime in ns).
-_FileState = tuple[int, int, int]
-
-
-def _view_state(view: Path | None) -> dict[str, _FileState]:
-    """What each file of a live session's view of /workspace is now (nothing without one);
-    the first LIST_LIMIT + 1 files only, as list_files shows them."""
-    if view is None:
-        return {}
-    return {path: (info.st_ino, info.st_size, info.st_mtime_ns)
-            for path, info in _workspace_files(view)}
-
-
-def staged_changes(before: dict[str, _FileState],
-                   after: dict[str, _FileState]) -> list[dict[str, Any]]:
-    """The files a session call wrote or deleted under /workspace, from the states of its
-    view before and after the call: path, size and change ("written" or "deleted")."""
-    written = [{"path": f"{WORKSPACE}/{path}", "size": state[1], "change": "written"}
-               for path, state in after.items() if before.get(path) != state]
-    deleted = [{"path": f"{WORKSPACE}/{path}", "size": 0, "change": "deleted"}
-               for path in before if path not in after]
-    return sorted(written + deleted, key=lambda change: str(change["path"]))
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -802,7 +549,7 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         sessions are on), sending progress while it runs; ``program`` holds the run's
         stdin, argv and env."""
         session: Session | None = None
-        before: dict[str, _FileState] = {}
+        before: dict[str, FileState] = {}
         try:
             if sessions_on and key is not None:
                 live, note = await asyncio.to_thread(pool.get, key, root)
@@ -811,7 +558,7 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
                 session, sandbox = live, live._sandbox
                 # A session publishes its files when it ends: tell the model which files
                 # this call changed by comparing the session's view before and after it.
-                before = await asyncio.to_thread(_view_state, pool.view(key))
+                before = await asyncio.to_thread(view_state, pool.view(key))
                 narrow = {"timeout_s": timeout} if timeout < policy.limits.timeout_s else None
                 call = live.arun(code, limits=narrow, **program)
             else:
@@ -851,7 +598,7 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
             result = dataclasses.replace(result, files=list(session.files),
                                          files_refused=list(session.files_refused))
         elif session is not None:
-            after = await asyncio.to_thread(_view_state, pool.view(key))
+            after = await asyncio.to_thread(view_state, pool.view(key))
             staged = staged_changes(before, after)
         return CallToolResult(
             content=[TextContent(type="text",
@@ -909,7 +656,7 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         ctx: Context,
     ) -> str:
         try:
-            return _write(workspace(ctx), path, content)
+            return write_text(workspace(ctx), path, content)
         except WasiboxError as exc:
             raise tool_error(exc) from None
 
@@ -922,14 +669,14 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         ctx: Context,
     ) -> str:
         try:
-            return _read(workspace(ctx), path)
+            return read_text(workspace(ctx), path)
         except WasiboxError as exc:
             raise tool_error(exc) from None
 
     @server.tool(description=(
         "List the files in the session's workspace (/workspace), with their sizes."))
     async def list_files(ctx: Context) -> str:
-        return _list(workspace(ctx))
+        return list_workspace(workspace(ctx))
 
     if sessions_on:
         @server.tool(description=RESET_DESCRIPTION)

@@ -347,7 +347,7 @@ class _Metrics:
             self.queue.labels(tenant.name).set(runner.queued)
             self.active.labels(tenant.name).set(runner.active)
             self.sessions.labels(tenant.name).set(tenant.open_sessions())
-        from ..backends.wasm import runtime
+        from ..backends.wasm.runtime import runtime
 
         ready, target = runtime().pool_status()
         self.pool.set(ready)

@@ -1,4 +1,4 @@
-"""Memory-slot reuse (backends/_slots.py): on only for the verified library, off otherwise."""
+"""Memory-slot reuse (backends/wasm/slots.py): on only for the verified library, off otherwise."""
 
 from __future__ import annotations
 
@@ -8,40 +8,40 @@ import pytest
 import wasmtime
 
 from wasibox._guest import file_sha256
-from wasibox.backends import _slots
-from wasibox.backends.wasm import runtime
+from wasibox.backends.wasm import slots
+from wasibox.backends.wasm.runtime import runtime
 
 
 def test_slot_reuse_is_on_exactly_when_the_library_is_the_verified_build() -> None:
     decision = runtime().slot_reuse
-    verified = (_slots.library_sha256() == _slots.KNOWN_LIBRARY_SHA256
-                and _slots._kernel_has_pagemap_scan())
+    verified = (slots.library_sha256() == slots.KNOWN_LIBRARY_SHA256
+                and slots._kernel_has_pagemap_scan())
     assert decision.enabled is verified, decision.reason
 
 
 def test_another_library_build_keeps_the_default_allocator(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_slots, "library_sha256", lambda: "0" * 64)
+    monkeypatch.setattr(slots, "library_sha256", lambda: "0" * 64)
     config = wasmtime.Config()
-    decision = _slots.configure_pooling(config)
+    decision = slots.configure_pooling(config)
     assert not decision.enabled
     assert "SHA-256 differs" in decision.reason
 
 
 def test_the_environment_can_turn_slot_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WASIBOX_SLOT_REUSE", "0")
-    assert _slots.configure_pooling(wasmtime.Config()) == _slots.SlotReuse(
+    assert slots.configure_pooling(wasmtime.Config()) == slots.SlotReuse(
         False, "turned off by WASIBOX_SLOT_REUSE=0")
 
 
 def test_the_library_digest_is_cached_and_correct(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
-    first = _slots.library_sha256()
+    first = slots.library_sha256()
     assert (tmp_path / "wasmtime-library.json").is_file()
-    assert _slots.library_sha256() == first == file_sha256(_slots.library_path())
+    assert slots.library_sha256() == first == file_sha256(slots.library_path())
 
 
-class CountingPopulator(_slots.SlotPopulator):
+class CountingPopulator(slots.SlotPopulator):
     """Counts the scans for unseen slots instead of reading /proc/self/maps."""
 
     scans = 0

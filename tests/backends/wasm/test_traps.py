@@ -1,6 +1,6 @@
 """How the wasm backend classifies an engine error: from Wasmtime's own signals only.
 
-Each case hands ``_classify`` an error worded exactly as Wasmtime words a trap in a component
+Each case hands ``classify`` an error worded exactly as Wasmtime words a trap in a component
 call (the real engine's store; only the error's text is chosen here), so the rules can be
 checked for traps a Python program cannot provoke on demand, such as an allocation failure
 inside the component's Rust glue.
@@ -14,7 +14,9 @@ import pytest
 import wasmtime
 
 from wasibox import Limit
-from wasibox.backends import wasm
+from wasibox.backends.wasm.run import Run
+from wasibox.backends.wasm.runtime import PRIMING_JOB, runtime
+from wasibox.backends.wasm.traps import classify
 
 pytestmark = pytest.mark.guest
 
@@ -25,12 +27,12 @@ def _error(description: str, *frames: str) -> wasmtime.WasmtimeError:
                                   + f"\nCaused by:\n    wasm trap: {description}\n")
 
 
-def _classify(error: wasmtime.WasmtimeError) -> wasm._Run:
-    store = wasmtime.Store(wasm.runtime().engine)
+def _classify(error: wasmtime.WasmtimeError) -> Run:
+    store = wasmtime.Store(runtime().engine)
     store.set_fuel(1000)  # fuel left: only the trap can say it ran out
-    run = wasm._Run(wasm.PRIMING_JOB, store)
+    run = Run(PRIMING_JOB, store)
     run.deadline = time.monotonic() + 60
-    assert wasm._classify(run, store, error) is None
+    assert classify(run, store, error) is None
     return run
 
 

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 import wasibox
 from tests.conftest import PYTHON, child_env, run_path_backend
-from wasibox.backends import _native, wasm
 from wasibox.backends.base import Job, Policy
-from wasibox.backends.wasm import WasmBackend, runtime
+from wasibox.backends.wasm import native as native_ext
+from wasibox.backends.wasm import runtime as wasm_runtime
+from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.runtime import RUN_PATH_ENV, WasmRuntime, runtime
 
 pytestmark = pytest.mark.guest
 
@@ -117,7 +119,7 @@ def test_without_a_c_compiler_the_extension_is_reported_unavailable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "wasibox-no-such-compiler")
-    build = _native.load(lambda message: None)
+    build = native_ext.load(lambda message: None)
     assert build.module is None and "no C compiler found" in build.reason
 
 
@@ -125,27 +127,27 @@ def test_a_failing_compile_is_reported_and_leaves_nothing_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    build = _native.load(lambda message: None)
+    build = native_ext.load(lambda message: None)
     assert build.module is None and "the C compiler failed" in build.reason
     assert not list((tmp_path / "native").rglob("*.so*"))
 
 
 def test_where_the_extension_is_unavailable_the_python_path_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wasm, "load_native", lambda progress: _native.NativeBuild(
+    monkeypatch.setattr(wasm_runtime, "load_native", lambda progress: native_ext.NativeBuild(
         None, "no C compiler found (set CC, or install gcc)"))
-    rt = wasm.WasmRuntime(pool_size=0)
+    rt = WasmRuntime(pool_size=0)
     assert rt.run_path == "python"
     with wasibox.Sandbox(backend=WasmBackend(rt)) as sb:
         assert sb.run("print(1+1)").stdout == "2\n"
     with pytest.raises(wasibox.UsageError, match="no C compiler found"):
-        wasm.WasmRuntime(pool_size=0, run_path="native")
+        WasmRuntime(pool_size=0, run_path="native")
 
 
 #: A child that imports wasmtime from another directory, loads the cached extension, and traps.
 _OTHER_COPY_CHILD = """
 import wasibox, wasmtime
-from wasibox.backends.wasm import runtime
+from wasibox.backends.wasm.runtime import runtime
 assert runtime().run_path == "native", runtime().native.reason
 with wasibox.Sandbox() as sb:
     result = sb.run("while True: pass", limits={"fuel": 10**7})
@@ -166,7 +168,7 @@ def test_the_extension_binds_to_the_library_of_whichever_environment_loads_it(
     shutil.copytree(Path(wasmtime.__file__).parent, other / "wasmtime")
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(other), env["PYTHONPATH"]])
-    env[wasm.RUN_PATH_ENV] = "native"
+    env[RUN_PATH_ENV] = "native"
     done = subprocess.run([PYTHON, "-c", _OTHER_COPY_CHILD], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

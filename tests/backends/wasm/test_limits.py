@@ -10,7 +10,7 @@ import pytest
 import wasibox
 from tests.conftest import open_fds
 from wasibox import Limit
-from wasibox.backends.wasm import runtime
+from wasibox.backends.wasm.runtime import runtime
 
 pytestmark = pytest.mark.guest
 

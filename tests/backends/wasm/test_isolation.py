@@ -1,6 +1,6 @@
 """Isolation: every run starts from the snapshot, however its instance's memory slot was used.
 
-With memory-slot reuse (backends/_slots.py) an instance runs in a slot another run dirtied a
+With memory-slot reuse (backends/wasm/slots.py) an instance runs in a slot another run dirtied a
 moment ago, reset page by page. A reset that missed a page would show here: each run first
 records what it sees (module globals, ``sys.modules``, builtins, other modules' attributes,
 the environment, the heap's layout, open descriptors, the virtual clock, the random streams),

@@ -27,8 +27,8 @@ Three settings make that work, and each has a fallback:
   reset costs more, but stays correct.
 
 Copy-on-write (``memory_init_cow``) stays on, and every instance still starts from the
-snapshot: the reset restores every dirtied page. ``tests/test_isolation.py`` checks that
-over a thousand consecutive runs.
+snapshot: the reset restores every dirtied page. ``tests/backends/wasm/test_isolation.py``
+checks that over a thousand consecutive runs.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 import wasmtime
 from wasmtime import _ffi as ffi
 
-from .._guest import cache_dir, file_sha256
+from ..._guest import cache_dir, file_sha256
 
 __all__ = ["KNOWN_LIBRARY_SHA256", "SlotPopulator", "SlotReuse", "configure_pooling",
            "library_path", "library_sha256", "slot_reuse", "unverified_library"]

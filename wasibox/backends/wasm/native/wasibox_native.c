@@ -1,7 +1,7 @@
 /*
  * The native run path: the guest call and the host functions every run uses, in C.
  *
- * Built by wasibox/backends/_native/__init__.py against the Wasmtime C library that
+ * Built by wasibox/backends/wasm/native/__init__.py against the Wasmtime C library that
  * wasmtime-py ships (linked by path; it has no SONAME). The C API's headers are not in the
  * wheel, so the few declarations used are written out below, copied from Wasmtime 50's
  * crates/c-api/include (wasmtime-py's _bindings.py declares the same signatures).
@@ -10,9 +10,9 @@
  *   wasibox:sandbox/{runner,stdio,clock,process,entropy}, wasi:clocks/{monotonic,wall}-clock
  *   and wasi:random/random, plus the epoch-deadline callback (timeout and cancellation).
  * Everything else (files, host functions, mediated HTTP) stays in Python, defined on the same
- * linker by wasibox/backends/wasm.py; ctypes takes the GIL when Wasmtime calls those.
+ * linker by wasibox/backends/wasm/host.py; ctypes takes the GIL when Wasmtime calls those.
  *
- * Every host function must behave exactly as its Python twin in wasm.py (same output, same
+ * Every host function must behave exactly as its Python twin in host.py (same output, same
  * fuel, same faults), since tests compare the two paths run for run. The guest controls every
  * argument: lengths are checked against the run's limits before anything is allocated, and
  * output never grows past the run's output cap.
@@ -135,7 +135,7 @@ extern void wasmtime_component_vallist_new_uninit(wasmtime_component_vallist_t *
 
 /* ---- per-run state ----------------------------------------------------------------------- */
 
-/* Why a run stopped; the values are wasibox.Limit's, mapped back in wasm.py. */
+/* Why a run stopped; the values are wasibox.Limit's, mapped back in run.py. */
 enum limit { LIMIT_NONE = 0, LIMIT_OUTPUT, LIMIT_TIMEOUT, LIMIT_CANCELLED, LIMIT_MEMORY };
 static const char *const LIMIT_NAMES[] = {"", "output", "timeout", "cancelled", "memory"};
 
@@ -472,7 +472,7 @@ HOST_FUNC(host_exit) {
     return wasmtime_error_new(message);
 }
 
-/* The checks of _Run.random_bytes, then the bytes (seeded or real) into `out`. */
+/* The checks of Run.random_bytes, then the bytes (seeded or real) into `out`. */
 static wasmtime_error_t *entropy(Run *run, uint64_t size, unsigned char **out) {
     *out = NULL;
     if (size > run->memory_bytes) return stop(run, LIMIT_MEMORY);

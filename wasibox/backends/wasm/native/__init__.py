@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ..._guest import cache_dir, file_lock
-from ..._progress import Reporter
-from .._slots import KNOWN_LIBRARY_SHA256, library_path, unverified_library
+from ...._guest import cache_dir, file_lock
+from ...._progress import Reporter
+from ..slots import KNOWN_LIBRARY_SHA256, library_path, unverified_library
 
 __all__ = ["NativeBuild", "load"]
 

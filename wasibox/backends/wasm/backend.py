@@ -1,0 +1,222 @@
+"""``WasmBackend``: the seam (``backends/base.py``) for Wasmtime, and its sessions.
+
+Each run gets a fresh instance (from the runtime's pool when it can), one call under the
+job's fuel, memory, output and time limits, and an ``Outcome`` measured by the host. A
+session keeps one instance for its calls instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from typing import Any, Literal
+
+import wasmtime
+from wasmtime import _ffi as ffi
+
+from ..._control import RunControl, RunState
+from ..._errors import GuestBuildError, UsageError
+from ..._limits import Limit, Limits
+from ..._result import Outcome
+from ..._wire import encode_request
+from ...capabilities.files.session import FileSession
+from ..base import Backend, BackendSession, Job, Policy
+from .compiler import Compiler
+from .engine import MIN_HOST_STACK
+from .host import NO_FINALIZER, ON_EPOCH_DEADLINE
+from .run import NativeRun, Run, call_guest
+from .runtime import RunPath, WasmRuntime, checked_run_path, runtime
+from .stack import call_with_stack
+from .traps import classify
+
+__all__ = ["WasmBackend"]
+
+
+class WasmBackend(Backend):
+    """Runs each job in a fresh instance of the CPython guest under Wasmtime."""
+
+    name = "wasm"
+
+    def __init__(self, runtime_: WasmRuntime | None = None, *,
+                 pool_size: int | None = None, run_path: RunPath | None = None) -> None:
+        """``run_path`` picks the native or the Python run path (default: the runtime's).
+
+        Raises UsageError if ``run_path`` is "native" and the extension is unavailable.
+        """
+        self._runtime = runtime_ or runtime()
+        chosen = checked_run_path(run_path) if run_path is not None else "auto"
+        if chosen == "native" and self._runtime.native.module is None:
+            raise UsageError(
+                f"the native run path is unavailable: {self._runtime.native.reason}")
+        #: The run path of this backend's runs.
+        self.run_path: Literal["native", "python"] = (
+            self._runtime.run_path if chosen == "auto" else chosen)
+        self._compiler = Compiler(self._runtime)
+        #: With pool_size, the runtime keeps that many instances warm until ``close``.
+        self._release_pool = (self._runtime.request_pool_size(pool_size)
+                              if pool_size is not None else None)
+
+    def close(self) -> None:
+        self._compiler.close()
+        if self._release_pool is not None:
+            self._release_pool()
+
+    @property
+    def min_memory_bytes(self) -> int:
+        return self._runtime.min_memory_bytes
+
+    @property
+    def guest_digest(self) -> str:
+        """The digest of the guest this backend runs: a journal's replay needs the same."""
+        return self._runtime.artifact.digest
+
+    def execute(self, job: Job, control: RunControl | None = None) -> Outcome:
+        rt = self._runtime
+        control = control or RunControl()
+        self._check_memory(job.limits)
+        started = time.perf_counter()
+        control.enter(RunState.INSTANTIATING)
+        request = self._request(job)
+        preopens = job.files.preopens() if job.files is not None else []
+        # A journaled run granted the real clock or entropy takes the Python path, where
+        # those values are served by Python and so can be taped (the native path's are C's).
+        run_path = ("python" if job.tape is not None and not job.policy.deterministic
+                    else self.run_path)
+        try:
+            # The pool holds instances for the runtime's own path, without preopens, only.
+            store, execute = (rt.take() if run_path == rt.run_path and not preopens
+                              else rt.instantiate(run_path, preopens))
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
+        native = rt.native.module if run_path == "native" else None
+        run = Run(job, store) if native is None else NativeRun(job, store, native)
+        store.set_limits(memory_size=job.limits.memory_bytes)
+        outcome = _call(rt, run, execute, request, control, started)
+        used: list[object] = [store, execute, run]
+        del store, execute, run
+        # Last: making an instance would slow this run's remaining ctypes calls.
+        rt.release(used)
+        return outcome
+
+    def open_session(self, limits: Limits, policy: Policy,
+                     files: FileSession | None) -> BackendSession:
+        """One instance kept for a session's calls, on the Python run path (the native path
+        is built around fresh instances); raises UsageError for a memory cap below the
+        guest's minimum, GuestBuildError if the guest cannot be instantiated."""
+        self._check_memory(limits)
+        return _WasmSession(self, limits, policy)
+
+    def _check_memory(self, limits: Limits) -> None:
+        minimum = self._runtime.min_memory_bytes
+        if limits.memory_bytes < minimum:
+            raise UsageError(
+                f"memory_bytes={limits.memory_bytes} is below the guest's minimum of "
+                f"{minimum} bytes ({minimum / 2**20:.1f} MiB)")
+
+    def _request(self, job: Job) -> str:
+        """The job's encoded request, with its compiled program when it compiles."""
+        fields = job.request()
+        compiled = self._compiler.compile(job)
+        if compiled is not None:
+            fields["compiled"] = compiled
+        try:
+            return encode_request(fields)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+
+
+def _call(rt: WasmRuntime, run: Run, execute: Any, request: str, control: RunControl,
+          started: float) -> Outcome:
+    """Make one call into an instance under ``run.job``'s limits, and measure it."""
+    job, store = run.job, run.store
+    store.set_fuel(job.limits.fuel)
+    reply: str | None = None
+    exit_code: int | None = None
+    control.enter(RunState.RUNNING)
+    detach = control.on_cancel(run.interrupt)
+    with rt.ticker:
+        if not isinstance(run, NativeRun):  # the native path's C callback was set when made
+            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), ON_EPOCH_DEADLINE,
+                                                       None, NO_FINALIZER)
+        store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
+        run.deadline = time.monotonic() + job.limits.timeout_s
+        try:
+            if run.cancelled:  # cancelled while instantiating: skip the guest entirely
+                run.stop(Limit.CANCELLED)
+            # Not a closure: the store must be dropped by whoever ``release`` hands it to.
+            reply = call_with_stack(functools.partial(call_guest, run, execute, request),
+                                    MIN_HOST_STACK)
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            exit_code = classify(run, store, exc)
+        finally:
+            detach()
+    duration = time.perf_counter() - started
+    try:
+        fuel_used = job.limits.fuel - store.get_fuel()
+    except wasmtime.WasmtimeError:
+        fuel_used = job.limits.fuel
+    return Outcome(
+        reply=reply,
+        stdout=bytes(run.stdout),
+        stderr=bytes(run.stderr),
+        stdout_truncated=run.stdout_truncated,
+        stderr_truncated=run.stderr_truncated,
+        limit_exceeded=run.limit,
+        fault=run.fault if run.limit is None else None,
+        exit_code=exit_code,
+        fuel_used=fuel_used,
+        memory_peak_bytes=rt.min_memory_bytes,
+        memory_limit_bytes=job.limits.memory_bytes,
+        duration_s=duration,
+        capability_log=tuple(run.log),
+    )
+
+
+class _WasmSession(BackendSession):
+    """One instance serving a session's calls, each under its own fuel and deadline.
+
+    The store's memory cap is the session's, for its whole life (linear memory never
+    shrinks). The virtual clock and the seeded entropy stream run on from one call to the
+    next, as they would in one long program. Any call that does not return normally (a trap,
+    an exit, a limit enforced by trapping, a cancel) leaves the instance unusable: wasmtime
+    refuses to re-enter it, so the session is over.
+    """
+
+    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy) -> None:
+        self._backend = backend
+        self._runtime = backend._runtime
+        self._store: wasmtime.Store | None
+        try:
+            self._store, self._execute = self._runtime.instantiate("python")
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
+        self._store.set_limits(memory_size=limits.memory_bytes)
+        self._rng = random.Random(policy.seed) if policy.entropy == "seeded" else None
+        self._clock_ns = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._store is not None
+
+    def run(self, job: Job, control: RunControl | None = None) -> Outcome:
+        control = control or RunControl()
+        started = time.perf_counter()
+        store = self._store
+        if store is None:
+            raise UsageError("this session's guest is gone; open a new session")
+        if control.cancelled:
+            return Outcome(limit_exceeded=Limit.CANCELLED)
+        request = self._backend._request(job)
+        run = Run(job, store)
+        run.rng = self._rng
+        run.clock_base_ns = self._clock_ns
+        outcome = _call(self._runtime, run, self._execute, request, control, started)
+        self._clock_ns += outcome.fuel_used + run.slept_ns
+        if outcome.reply is None:
+            self.close()  # trapped or exited: wasmtime will not enter this instance again
+        return outcome
+
+    def close(self) -> None:
+        # Dropping the references frees the instance (and its memory slot) with its store.
+        self._store = self._execute = None
