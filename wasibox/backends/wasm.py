@@ -140,11 +140,15 @@ PRIMING_JOB = Job(op="call", code="def prime():\n    print('wasibox')\n    retur
                   entry="prime", limits=Limits(), policy=Policy())
 
 
+#: Guards the making of a run's ``cancel`` Event (see ``_Run.cancel``).
+_CANCEL_EVENT_LOCK = threading.Lock()
+
+
 class _Run:
     """Per-run state. Only the thread running the guest touches it, through ``_current``."""
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
-                 "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
+                 "stderr_truncated", "output_room", "deadline", "_cancel", "slept_ns", "rng",
                  "fault", "exit_code", "started", "log", "host_calls", "cancelled",
                  "clock_base_ns")
     #: Whether Python serves this run's entropy (seeded by ``rng``); the native path's is C's.
@@ -162,7 +166,7 @@ class _Run:
         self.stderr_truncated = False
         self.output_room = job.limits.output_bytes
         self.deadline = math.inf
-        self.cancel = threading.Event()
+        self._cancel: threading.Event | None = None
         #: Set (with ``cancel``) by ``interrupt``, from any thread, when the caller cancels.
         self.cancelled = False
         self.slept_ns = 0
@@ -176,6 +180,23 @@ class _Run:
         #: The run's capability log, shared by every capability.
         self.log: list[CapabilityEvent] = []
         self.host_calls: HostCalls | None = None
+
+    @property
+    def cancel(self) -> threading.Event:
+        """Set when the run is cancelled: host waits (a real sleep, a host function) end on it.
+
+        Made on first use, as few runs wait in the host: an Event per run was a measurable
+        share of a warm run's host CPU. Made under a lock, and set at once if ``interrupt``
+        came first, so a waiter and ``interrupt`` on another thread always share one Event.
+        """
+        if self._cancel is None:
+            with _CANCEL_EVENT_LOCK:
+                if self._cancel is None:
+                    event = threading.Event()
+                    if self.cancelled:
+                        event.set()
+                    self._cancel = event
+        return self._cancel
 
     # -- output ---------------------------------------------------------------------------
     def append(self, fd: int, data: bytes) -> bool:

@@ -218,6 +218,31 @@ static void mt_init_by_array(Run *run, const uint32_t *key, size_t key_length) {
     run->mt[0] = 0x80000000U;
 }
 
+/* The generator's state right after seeding with the last key seen. Seeding costs as much
+ * as the rest of making a Run, and nearly every run of a process uses the same seed, so the
+ * state is copied from here when the key matches. Only Run_new touches it, with the GIL
+ * held. Owns `key` (a PyMem buffer of `key_length` words). */
+static struct {
+    uint32_t *key;
+    size_t key_length;
+    uint32_t mt[MT_N];
+} seeded_state = {NULL, 0, {0}};
+
+static void seed_generator(Run *run, uint32_t *key, size_t key_length) {
+    if (seeded_state.key != NULL && seeded_state.key_length == key_length
+        && memcmp(seeded_state.key, key, key_length * sizeof *key) == 0) {
+        memcpy(run->mt, seeded_state.mt, sizeof run->mt);
+        run->mti = MT_N;
+        PyMem_Free(key);
+        return;
+    }
+    mt_init_by_array(run, key, key_length);
+    PyMem_Free(seeded_state.key);
+    seeded_state.key = key;
+    seeded_state.key_length = key_length;
+    memcpy(seeded_state.mt, run->mt, sizeof run->mt);
+}
+
 static uint32_t mt_next(Run *run) {
     static const uint32_t mag01[2] = {0x0U, 0x9908b0dfU};
     uint32_t y;
@@ -674,8 +699,7 @@ static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         for (size_t i = 0; i < count; i++)
             key[i] = (uint32_t)raw[4 * i] | (uint32_t)raw[4 * i + 1] << 8
                      | (uint32_t)raw[4 * i + 2] << 16 | (uint32_t)raw[4 * i + 3] << 24;
-        mt_init_by_array(run, key, count);
-        PyMem_Free(key);
+        seed_generator(run, key, count);
         run->seeded = true;
     }
     return (PyObject *)run;
