@@ -1063,7 +1063,8 @@ class WasmBackend(Backend):
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if run_path == "native" else None
         run = _Run(job, store) if native is None else _NativeRun(job, store, native)
-        store.set_limits(memory_size=job.limits.memory_bytes)
+        if native is None:  # the native path's call sets it (see _call)
+            store.set_limits(memory_size=job.limits.memory_bytes)
         outcome = _call(rt, run, execute, request, control, started)
         used: list[object] = [store, execute, run]
         del store, execute, run
@@ -1100,34 +1101,44 @@ class WasmBackend(Backend):
 
 def _call(rt: WasmRuntime, run: _Run, execute: Any, request: str, control: RunControl,
           started: float) -> Outcome:
-    """Make one call into an instance under ``run.job``'s limits, and measure it."""
+    """Make one call into an instance under ``run.job``'s limits, and measure it.
+
+    A native run's store gets its memory cap, fuel and epoch deadline in the C call itself
+    (``_call_guest``'s ``arm``), where a session's call (always on the Python path) gets
+    them here; the memory cap of other runs is set by ``WasmBackend.execute``.
+    """
     job, store = run.job, run.store
-    store.set_fuel(job.limits.fuel)
+    native = isinstance(run, _NativeRun)
+    if not native:
+        store.set_fuel(job.limits.fuel)
     reply: str | None = None
     exit_code: int | None = None
     control.enter(RunState.RUNNING)
     detach = control.on_cancel(run.interrupt)
     with rt.ticker:
-        if not isinstance(run, _NativeRun):  # the native path's C callback was set when made
+        if not native:  # the native path's C callback was set when made, its deadline by C
             ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _ON_EPOCH_DEADLINE,
                                                        None, _NO_FINALIZER)
-        store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
+            store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline every tick
         run.deadline = time.monotonic() + job.limits.timeout_s
         try:
             if run.cancelled:  # cancelled while instantiating: skip the guest entirely
                 run.stop(Limit.CANCELLED)
             # Not a closure: the store must be dropped by whoever ``release`` hands it to.
-            reply = call_with_stack(functools.partial(_call_guest, run, execute, request),
-                                    MIN_HOST_STACK)
+            reply = call_with_stack(
+                functools.partial(_call_guest, run, execute, request, native), MIN_HOST_STACK)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             exit_code = _classify(run, store, exc)
         finally:
             detach()
     duration = time.perf_counter() - started
-    try:
-        fuel_used = job.limits.fuel - store.get_fuel()
-    except wasmtime.WasmtimeError:
-        fuel_used = job.limits.fuel
+    if isinstance(run, _NativeRun):
+        fuel_used = job.limits.fuel - run.native.fuel_left
+    else:
+        try:
+            fuel_used = job.limits.fuel - store.get_fuel()
+        except wasmtime.WasmtimeError:
+            fuel_used = job.limits.fuel
     return Outcome(
         reply=reply,
         stdout=bytes(run.stdout),
@@ -1294,11 +1305,14 @@ def _compile_in(runtime_: WasmRuntime, store: wasmtime.Store, execute: Any,
     return reply.value, reusable
 
 
-def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
+def _call_guest(run: _Run, execute: Any, request: str, arm: bool = False) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
 
     On the native path the call is made in C with the GIL released; a trap comes back as
-    its message (and WASI exit status), raised here as wasmtime-py would raise it.
+    its message (and WASI exit status), raised here as wasmtime-py would raise it. With
+    ``arm`` (a run's call on the native path), C also sets the store's memory cap, fuel and
+    epoch deadline from the run's limits first, and reads its fuel back after (see
+    ``_call``): each of those through wasmtime-py released and retook the GIL.
     """
     _current.run = run
     slot = _output_slots.get(run.store)
@@ -1309,7 +1323,8 @@ def _call_guest(run: _Run, execute: Any, request: str) -> str | None:
             try:
                 reply, message, status = run.module.call(
                     ctypes.addressof(execute._func), _address(run.store._context()),
-                    request.encode(), run.native)
+                    request.encode(), run.native,
+                    *((_address(run.store.ptr()),) if arm else ()))
             finally:
                 run.collect()
             if message is not None:
