@@ -109,11 +109,21 @@ class _Ticket:
         self.job = job
         self.execute = execute  # None: the runner's own
         self.control = RunControl()
-        self.future: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
         self.detached = detached  # True: runs on a worker thread; False: on its caller's
+        # A run on its caller's thread that gets a slot at once needs neither a future nor an
+        # event (``queue`` makes them if it waits): making them was a measurable share of a
+        # warm run's host CPU.
+        self.future: concurrent.futures.Future[RunResult] | None = (
+            concurrent.futures.Future() if detached else None)
         self.has_slot = False
-        self.granted = threading.Event()
+        self.granted: threading.Event | None = None
         self.forget_queue_cancel: Callable[[], None] | None = None
+
+    def queue(self) -> None:
+        """Make what a waiting run is woken and answered through."""
+        self.granted = threading.Event()
+        if self.future is None:
+            self.future = concurrent.futures.Future()
 
 
 class Runner:
@@ -166,6 +176,7 @@ class Runner:
         """
         ticket = self._admit(job, detached=False, execute=execute)
         if not ticket.has_slot:
+            assert ticket.granted is not None and ticket.future is not None  # see _admit
             try:
                 ticket.granted.wait()
             except BaseException:
@@ -190,6 +201,7 @@ class Runner:
         ticket = self._admit(job, detached=True, execute=execute)
         if ticket.has_slot:
             self._submit(ticket)
+        assert ticket.future is not None  # a detached ticket has one from the start
         return RunHandle(ticket.control, ticket.future)
 
     def close(self) -> None:
@@ -218,6 +230,7 @@ class Runner:
                 return ticket
             if len(self._waiting) >= self.max_queue:
                 raise Busy(self.max_concurrency, self.max_queue)
+            ticket.queue()
             self._waiting.append(ticket)
             ticket.forget_queue_cancel = ticket.control.on_cancel(
                 lambda: self._cancel_queued(ticket))
@@ -229,6 +242,7 @@ class Runner:
                 self._waiting.remove(ticket)
             except ValueError:
                 return  # already granted a slot: the backend sees the cancellation
+        assert ticket.future is not None and ticket.granted is not None  # it was queued
         ticket.control.finish()
         ticket.future.set_result(self._cancelled_result(ticket.job))
         ticket.granted.set()
@@ -247,6 +261,7 @@ class Runner:
         if ticket.detached:
             self._submit(ticket)
         else:
+            assert ticket.granted is not None  # it was queued
             ticket.granted.set()
 
     def _submit(self, ticket: _Ticket) -> None:
@@ -261,23 +276,27 @@ class Runner:
                 raise RuntimeError("closed")
             executor.submit(self._execute, ticket)
         except RuntimeError:  # closed concurrently: the executor takes no more work
+            assert ticket.future is not None  # only detached tickets are submitted
             ticket.control.cancel()
             ticket.control.finish()
             ticket.future.set_result(self._cancelled_result(ticket.job))
             self._release()
 
     def _execute(self, ticket: _Ticket) -> RunResult:
-        """Execute a ticket that holds a slot; always frees the slot and settles the future."""
+        """Execute a ticket that holds a slot; always frees the slot and settles the future
+        (if it has one: see ``_Ticket``)."""
         try:
             result = (ticket.execute or self._execute_job)(ticket.job, ticket.control)
         except BaseException as exc:
             ticket.control.finish()
             self._release()
-            ticket.future.set_exception(exc)
+            if ticket.future is not None:
+                ticket.future.set_exception(exc)
             if ticket.detached:
                 return self._cancelled_result(ticket.job)  # the handle holds the exception
             raise
         ticket.control.finish(cancelled=result.limit_exceeded is Limit.CANCELLED)
         self._release()
-        ticket.future.set_result(result)
+        if ticket.future is not None:
+            ticket.future.set_result(result)
         return result

@@ -91,7 +91,8 @@ class WasmBackend(Backend):
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
         native = rt.native.module if run_path == "native" else None
         run = Run(job, store) if native is None else NativeRun(job, store, native)
-        store.set_limits(memory_size=job.limits.memory_bytes)
+        if native is None:  # the native path's call sets it (see _call)
+            store.set_limits(memory_size=job.limits.memory_bytes)
         outcome = _call(rt, run, execute, request, control, started)
         used: list[object] = [store, execute, run]
         del store, execute, run
@@ -128,34 +129,44 @@ class WasmBackend(Backend):
 
 def _call(rt: WasmRuntime, run: Run, execute: Any, request: str, control: RunControl,
           started: float) -> Outcome:
-    """Make one call into an instance under ``run.job``'s limits, and measure it."""
+    """Make one call into an instance under ``run.job``'s limits, and measure it.
+
+    A native run's store gets its memory cap, fuel and epoch deadline in the C call itself
+    (``call_guest``'s ``arm``), where a session's call (always on the Python path) gets
+    them here; the memory cap of other runs is set by ``WasmBackend.execute``.
+    """
     job, store = run.job, run.store
-    store.set_fuel(job.limits.fuel)
+    native = isinstance(run, NativeRun)
+    if not native:
+        store.set_fuel(job.limits.fuel)
     reply: str | None = None
     exit_code: int | None = None
     control.enter(RunState.RUNNING)
     detach = control.on_cancel(run.interrupt)
     with rt.ticker:
-        if not isinstance(run, NativeRun):  # the native path's C callback was set when made
+        if not native:  # the native path's C callback was set when made, its deadline by C
             ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), ON_EPOCH_DEADLINE,
                                                        None, NO_FINALIZER)
-        store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline at every tick
+            store.set_epoch_deadline(1)  # _on_epoch_deadline checks the deadline every tick
         run.deadline = time.monotonic() + job.limits.timeout_s
         try:
             if run.cancelled:  # cancelled while instantiating: skip the guest entirely
                 run.stop(Limit.CANCELLED)
             # Not a closure: the store must be dropped by whoever ``release`` hands it to.
-            reply = call_with_stack(functools.partial(call_guest, run, execute, request),
-                                    MIN_HOST_STACK)
+            reply = call_with_stack(
+                functools.partial(call_guest, run, execute, request, native), MIN_HOST_STACK)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             exit_code = classify(run, store, exc)
         finally:
             detach()
     duration = time.perf_counter() - started
-    try:
-        fuel_used = job.limits.fuel - store.get_fuel()
-    except wasmtime.WasmtimeError:
-        fuel_used = job.limits.fuel
+    if isinstance(run, NativeRun):
+        fuel_used = job.limits.fuel - run.native.fuel_left
+    else:
+        try:
+            fuel_used = job.limits.fuel - store.get_fuel()
+        except wasmtime.WasmtimeError:
+            fuel_used = job.limits.fuel
     return Outcome(
         reply=reply,
         stdout=bytes(run.stdout),

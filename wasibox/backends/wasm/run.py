@@ -48,11 +48,15 @@ _MAX_TIMEOUT_NS = 2**62  # ~146 years; keeps the C deadline from overflowing
 current = threading.local()
 
 
+#: Guards the making of a run's ``cancel`` Event (see ``Run.cancel``).
+_CANCEL_EVENT_LOCK = threading.Lock()
+
+
 class Run:
     """Per-run state. Only the thread running the guest touches it, through ``current``."""
 
     __slots__ = ("job", "store", "limit", "stdout", "stderr", "stdout_truncated",
-                 "stderr_truncated", "output_room", "deadline", "cancel", "slept_ns", "rng",
+                 "stderr_truncated", "output_room", "deadline", "_cancel", "slept_ns", "rng",
                  "fault", "exit_code", "started", "log", "host_calls", "cancelled",
                  "clock_base_ns")
     #: Whether Python serves this run's entropy (seeded by ``rng``); the native path's is C's.
@@ -70,7 +74,7 @@ class Run:
         self.stderr_truncated = False
         self.output_room = job.limits.output_bytes
         self.deadline = math.inf
-        self.cancel = threading.Event()
+        self._cancel: threading.Event | None = None
         #: Set (with ``cancel``) by ``interrupt``, from any thread, when the caller cancels.
         self.cancelled = False
         self.slept_ns = 0
@@ -84,6 +88,23 @@ class Run:
         #: The run's capability log, shared by every capability.
         self.log: list[CapabilityEvent] = []
         self.host_calls: HostCalls | None = None
+
+    @property
+    def cancel(self) -> threading.Event:
+        """Set when the run is cancelled: host waits (a real sleep, a host function) end on it.
+
+        Made on first use, as few runs wait in the host: an Event per run was a measurable
+        share of a warm run's host CPU. Made under a lock, and set at once if ``interrupt``
+        came first, so a waiter and ``interrupt`` on another thread always share one Event.
+        """
+        if self._cancel is None:
+            with _CANCEL_EVENT_LOCK:
+                if self._cancel is None:
+                    event = threading.Event()
+                    if self.cancelled:
+                        event.set()
+                    self._cancel = event
+        return self._cancel
 
     # -- output ---------------------------------------------------------------------------
     def append(self, fd: int, data: bytes) -> bool:
@@ -370,7 +391,7 @@ def c_output(fd: int, slot: OutputSlot) -> Any:
     return sink
 
 
-def call_guest(run: Run, execute: Any, request: str) -> str | None:
+def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
 
     On the native path the call is made in C with the GIL released; a trap comes back as
@@ -385,7 +406,8 @@ def call_guest(run: Run, execute: Any, request: str) -> str | None:
             try:
                 reply, message, status = run.module.call(
                     ctypes.addressof(execute._func), address_of(run.store._context()),
-                    request.encode(), run.native)
+                    request.encode(), run.native,
+                    *((address_of(run.store.ptr()),) if arm else ()))
             finally:
                 run.collect()
             if message is not None:

@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <pthread.h>
@@ -106,6 +107,11 @@ extern bool wasmtime_error_exit_status(const wasmtime_error_t *error, int *statu
 extern wasmtime_error_t *wasmtime_context_set_fuel(wasmtime_context_t *context, uint64_t fuel);
 extern wasmtime_error_t *wasmtime_context_get_fuel(const wasmtime_context_t *context,
                                                    uint64_t *fuel);
+extern void wasmtime_context_set_epoch_deadline(wasmtime_context_t *context,
+                                                uint64_t ticks_beyond_current);
+extern void wasmtime_store_limiter(wasmtime_store_t *store, int64_t memory_size,
+                                   int64_t table_elements, int64_t instances, int64_t tables,
+                                   int64_t memories);
 extern void wasmtime_store_epoch_deadline_callback(
     wasmtime_store_t *store,
     wasmtime_error_t *(*callback)(wasmtime_context_t *, void *, uint64_t *,
@@ -155,6 +161,8 @@ typedef struct {
     bool seeded;
     /* the deadline on CLOCK_MONOTONIC; set by `call` */
     uint64_t deadline_ns;
+    /* the store's fuel when a `call` given its store returned (0 if it could not be read) */
+    uint64_t fuel_left;
     /* state the guest's calls change */
     /* Output: written by the guest thread (stdio.write) and by Wasmtime's WASI workers
      * (the guest's C-level writes, through `append`), so guarded by output_lock. */
@@ -216,6 +224,31 @@ static void mt_init_by_array(Run *run, const uint32_t *key, size_t key_length) {
         }
     }
     run->mt[0] = 0x80000000U;
+}
+
+/* The generator's state right after seeding with the last key seen. Seeding costs as much
+ * as the rest of making a Run, and nearly every run of a process uses the same seed, so the
+ * state is copied from here when the key matches. Only Run_new touches it, with the GIL
+ * held. Owns `key` (a PyMem buffer of `key_length` words). */
+static struct {
+    uint32_t *key;
+    size_t key_length;
+    uint32_t mt[MT_N];
+} seeded_state = {NULL, 0, {0}};
+
+static void seed_generator(Run *run, uint32_t *key, size_t key_length) {
+    if (seeded_state.key != NULL && seeded_state.key_length == key_length
+        && memcmp(seeded_state.key, key, key_length * sizeof *key) == 0) {
+        memcpy(run->mt, seeded_state.mt, sizeof run->mt);
+        run->mti = MT_N;
+        PyMem_Free(key);
+        return;
+    }
+    mt_init_by_array(run, key, key_length);
+    PyMem_Free(seeded_state.key);
+    seeded_state.key = key;
+    seeded_state.key_length = key_length;
+    memcpy(seeded_state.mt, run->mt, sizeof run->mt);
 }
 
 static uint32_t mt_next(Run *run) {
@@ -662,6 +695,7 @@ static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     run->exit_code = -1;
     pthread_mutex_init(&run->output_lock, NULL);
     run->deadline_ns = UINT64_MAX;
+    run->fuel_left = fuel; /* no call yet: nothing used */
     atomic_init(&run->cancelled, 0);
     if (seed_words != Py_None) {
         size_t count = (size_t)PyBytes_GET_SIZE(seed_words) / 4;
@@ -674,8 +708,7 @@ static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         for (size_t i = 0; i < count; i++)
             key[i] = (uint32_t)raw[4 * i] | (uint32_t)raw[4 * i + 1] << 8
                      | (uint32_t)raw[4 * i + 2] << 16 | (uint32_t)raw[4 * i + 3] << 24;
-        mt_init_by_array(run, key, count);
-        PyMem_Free(key);
+        seed_generator(run, key, count);
         run->seeded = true;
     }
     return (PyObject *)run;
@@ -739,6 +772,12 @@ static PyMethodDef Run_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Run_members[] = {
+    {"fuel_left", T_ULONGLONG, offsetof(Run, fuel_left), READONLY,
+     "The store's fuel when the last call given the store returned."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject RunType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "wasibox_native.Run",
@@ -748,6 +787,7 @@ static PyTypeObject RunType = {
     .tp_new = Run_new,
     .tp_dealloc = (destructor)Run_dealloc,
     .tp_methods = Run_methods,
+    .tp_members = Run_members,
 };
 
 /* ---- module functions -------------------------------------------------------------------- */
@@ -772,17 +812,23 @@ static PyObject *error_result(wasmtime_error_t *error) {
     return Py_BuildValue("(ONO)", Py_None, text, Py_None);
 }
 
-/* call(func, context, request, run) -> (reply str | None, error message | None, exit | None) */
+/* call(func, context, request, run[, store]) -> (reply str | None, error message | None,
+ * exit | None). Given the store, the call is a run's: the store's memory cap, fuel and
+ * epoch deadline (one tick ahead) are set from `run` first, and its fuel is read back into
+ * `run.fuel_left` after, all with the GIL released (as wasmtime-py's setters would each
+ * release and take it again). */
 static PyObject *native_call(PyObject *module, PyObject *args) {
-    PyObject *func_address, *context_address;
+    PyObject *func_address, *context_address, *store_address = NULL;
     Py_buffer request;
     Run *run;
-    if (!PyArg_ParseTuple(args, "OOy*O!", &func_address, &context_address, &request, &RunType,
-                          &run))
+    if (!PyArg_ParseTuple(args, "OOy*O!|O", &func_address, &context_address, &request,
+                          &RunType, &run, &store_address))
         return NULL;
     const wasmtime_component_func_t *func = address(func_address);
     wasmtime_context_t *context = func ? address(context_address) : NULL;
-    if (context == NULL) {
+    wasmtime_store_t *store = NULL;
+    if (context != NULL && store_address != NULL) store = address(store_address);
+    if (context == NULL || (store_address != NULL && store == NULL)) {
         PyBuffer_Release(&request);
         return NULL;
     }
@@ -794,16 +840,32 @@ static PyObject *native_call(PyObject *module, PyObject *args) {
     Py_INCREF(run);
     wasmtime_error_t *error;
     Py_BEGIN_ALLOW_THREADS
+    error = NULL;
+    if (store != NULL) {
+        wasmtime_store_limiter(store, run->memory_bytes > INT64_MAX ? INT64_MAX
+                                                                    : (int64_t)run->memory_bytes,
+                               -1, -1, -1, -1);
+        error = wasmtime_context_set_fuel(context, run->fuel_limit);
+        wasmtime_context_set_epoch_deadline(context, 1); /* on_epoch_deadline: every tick */
+    }
     run->deadline_ns = now_ns(CLOCK_MONOTONIC) + run->timeout_ns;
     Run *outer = current_run;
     current_run = run;
-    if (atomic_load(&run->cancelled)) error = stop(run, LIMIT_CANCELLED);
+    if (error != NULL) { /* the fuel could not be set: never enter the guest */ }
+    else if (atomic_load(&run->cancelled)) error = stop(run, LIMIT_CANCELLED);
     else error = wasmtime_component_func_call(func, context, &param, 1, &result, 1);
     if (error == NULL) {
         error = wasmtime_component_func_post_return(func, context);
         if (error != NULL) wasmtime_component_val_delete(&result);
     }
     current_run = outer;
+    if (store != NULL) {
+        wasmtime_error_t *fuel_error = wasmtime_context_get_fuel(context, &run->fuel_left);
+        if (fuel_error != NULL) {
+            wasmtime_error_delete(fuel_error);
+            run->fuel_left = 0; /* as the Python path counts an unreadable fuel: all used */
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_DECREF(run);
     PyBuffer_Release(&request);
