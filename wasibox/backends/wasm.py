@@ -83,9 +83,16 @@ EPOCH_TICK_S = 0.01
 TICKER_IDLE_S = 1.0
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
-MAX_WASM_STACK = 1 << 20
-#: The native stack a run needs: the guest's share, plus room for the host frames around it.
-#: A thread with less runs its guests on a helper thread (see _stack.py).
+#: The native stack compiled guest code may use before Wasmtime traps. The guest's CPython
+#: raises RecursionError once it has used 128 KiB of its own (shadow) stack in linear memory
+#: (guest/build.py fits that limit), and a C frame costs up to ~32 times more native stack
+#: than shadow stack (measured on the paths CPython guards: repr, pickle, json, comparisons
+#: of nested containers), so 4 MiB would do: 5 MiB leaves room for frames costlier still.
+MAX_WASM_STACK = 5 << 20
+#: The native stack a run needs: the guest's share, plus room for the host frames around it
+#: (host functions called from the deepest guest frame run on the same stack). 7 MiB fits
+#: the 8 MiB Linux gives the main thread and every default thread, so runs stay in place;
+#: a thread with less runs its guests on a helper thread (see _stack.py).
 MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
 #: The largest entropy request served in one host call. The guest runner asks for 1 MiB at
 #: a time; a bigger request is a guest calling the import itself, and would make the host
@@ -103,6 +110,9 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "consume_fuel": True,
     "epoch_interruption": True,
     "max_wasm_stack": MAX_WASM_STACK,
+    # Wasmtime 50 refuses a max_wasm_stack above the async stack size (2 MiB by default),
+    # even with no async call ever made.
+    "async_stack_size": MAX_WASM_STACK,
     "wasm_threads": False,
     "shared_memory": False,
     "wasm_gc": False,
