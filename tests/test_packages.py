@@ -236,6 +236,41 @@ def test_a_native_only_package_is_refused_naming_it(tmp_path: Path) -> None:
         wasibox.Sandbox(packages=["orjson"], backend="auto")
 
 
+def _native_wheelhouse(directory: Path, project: str) -> Path:
+    """A wheelhouse with one native wheel of ``project`` for this host (and no pure one)."""
+    import sysconfig
+
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    house = directory / "native-wheelhouse"
+    house.mkdir()
+    dist_info = f"{project}-2.0.0.dist-info"
+    with zipfile.ZipFile(house / f"{project}-2.0.0-py3-none-{platform}.whl", "w") as wheel:
+        wheel.writestr(f"{project}/__init__.py", "")
+        wheel.writestr(f"{dist_info}/METADATA",
+                       f"Metadata-Version: 2.1\nName: {project}\nVersion: 2.0.0\n")
+        wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+                                             f"Tag: py3-none-{platform}\n")
+        wheel.writestr(f"{dist_info}/RECORD", "")
+    return house
+
+
+def test_a_native_only_package_the_microvm_has_points_there(tmp_path: Path) -> None:
+    from wasibox.backends.microvm.backend import vm_modules
+
+    if "numpy" not in vm_modules():
+        pytest.skip("this machine's microVM image configuration has no numpy")
+    house = _native_wheelhouse(tmp_path, "numpy")
+    wanted = Packages(requirements=("numpy",), find_links=(str(house),), no_index=True)
+    with pytest.raises(NativeOnlyPackage) as caught:
+        wasibox.Sandbox(packages=wanted)
+    assert caught.value.package == "numpy"
+    assert "only native wheels (such as numpy-2.0.0-py3-none-" in str(caught.value)
+    assert "The microVM image has numpy already: leave it out of packages and run on the " \
+        "microVM" in str(caught.value)
+    with pytest.raises(UsageError, match="the microVM does not install packages"):
+        wasibox.Sandbox(packages=wanted, backend="microvm")
+
+
 def test_packages_need_the_wasm_guest() -> None:
     with pytest.raises(UsageError, match="microVM does not install packages"):
         wasibox.Sandbox(packages=["attrs"], backend="microvm")
