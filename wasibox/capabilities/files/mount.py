@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..._errors import UsageError
 from ..._limits import parse_size
+from .refusals import MAX_DEPTH
 
 __all__ = [
     "MAX_DEPTH",
@@ -31,10 +32,6 @@ __all__ = [
 
 #: The directory inside each writable mount that holds its runs' staging trees.
 STAGING_DIR = ".wasibox-staging"
-#: Deepest directory nesting inside a writable mount. Staging and publishing walk a tree
-#: holding a descriptor per level, so a guest must not be able to build (and persist, in a
-#: workspace) a tree deep enough to exhaust the host's descriptors or recursion limit.
-MAX_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)
