@@ -12,6 +12,9 @@ The recipe, step by step:
    other draw from entropy during pre-init are the same on every build (see that file).
 3. Run componentize-py with an empty virtual environment, so nothing from the building
    machine's site-packages leaks into the guest.
+4. Fit CPython's C-stack limit to the WebAssembly stack the host grants (see
+   ``_fit_c_stack_limit``), so deep recursion in C raises ``RecursionError`` instead of
+   trapping.
 
 This script needs no network and never imports the host package.
 """
@@ -23,6 +26,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -35,6 +39,16 @@ HERE = Path(__file__).resolve().parent
 RUNNER_MODULE = "wasibox_guest"
 FIXED_MTIME = 946684800  # 2000-01-01: any constant works; it only has to be the same
 BUNDLED = ("msgpack", "tzdata")  # pure-Python packages copied into the guest
+#: The shadow stack (the C stack in linear memory) of componentize-py 0.25's component: the
+#: 1 MiB wit-component's linker reserves by default, at the start of linear memory, growing
+#: down from here.
+SHADOW_STACK_TOP = 1 << 20
+#: CPython's ``_PyOS_STACK_MARGIN_BYTES`` on wasm32 (2048 pointers of 4 bytes).
+STACK_MARGIN_BYTES = 8192
+#: How much of the shadow stack CPython may use before it raises RecursionError: the
+#: ``Py_C_STACK_SIZE`` CPython 3.14 itself uses on WASI when it cannot ask for the stack's
+#: size. The host's ``max_wasm_stack`` is sized against it (wasibox/backends/wasm/engine.py).
+C_STACK_BYTES = 128 * 1024
 
 Progress = Callable[[str], None]
 
@@ -110,6 +124,8 @@ def build(output: Path, progress: Progress = lambda message: None,
             lambda: subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True),
             "snapshotting CPython with componentize-py", progress)
         _check(result, "componentize-py")
+        progress("fitting CPython's C-stack limit")
+        _fit_c_stack_limit(tree / "guest.wasm")
 
         output.parent.mkdir(parents=True, exist_ok=True)
         staged = output.with_name(output.name + f".{os.getpid()}.tmp")
@@ -118,6 +134,35 @@ def build(output: Path, progress: Progress = lambda message: None,
     digest = hashlib.sha256(output.read_bytes()).hexdigest()
     progress(f"built guest {digest[:12]} ({output.stat().st_size / 2**20:.1f} MiB)")
     return digest
+
+
+def _fit_c_stack_limit(component: Path) -> None:
+    """Lower the C-stack limits CPython recorded in the snapshot to ``C_STACK_BYTES``.
+
+    CPython 3.14 raises RecursionError when its stack pointer passes a soft limit that it
+    computed once, at pre-init, from the stack's size: here the whole 1 MiB shadow stack in
+    linear memory. Wasmtime meanwhile traps when compiled wasm has used ``max_wasm_stack``
+    of the *native* stack, and a frame costs 8 to 32 times more native stack than shadow
+    stack (measured: pickle, repr, json, comparisons of nested containers), so with 1 MiB
+    CPython's check never fired first and deep recursion was an uncatchable trap. The limits
+    are three words of the thread state in the snapshot's data (``c_stack_top``,
+    ``c_stack_soft_limit``, ``c_stack_hard_limit``), written here as CPython writes them when
+    it takes the stack to be ``Py_C_STACK_SIZE`` bytes.
+
+    Raises BuildError unless those three words occur exactly once, so a componentize-py
+    whose layout differs fails the build instead of shipping an unfitted guest.
+    """
+    data = bytearray(component.read_bytes())
+    recorded = struct.pack("<III", SHADOW_STACK_TOP, STACK_MARGIN_BYTES * 2, STACK_MARGIN_BYTES)
+    at = data.find(recorded)
+    if at < 0 or data.find(recorded, at + 1) >= 0:
+        raise BuildError("the snapshot's C-stack limits were not found exactly once: this "
+                         "componentize-py lays out the shadow stack differently; pin "
+                         "componentize-py to the version pyproject.toml names")
+    soft = SHADOW_STACK_TOP - C_STACK_BYTES
+    data[at:at + len(recorded)] = struct.pack("<III", SHADOW_STACK_TOP, soft,
+                                              soft - STACK_MARGIN_BYTES)
+    component.write_bytes(data)
 
 
 def _source_files() -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 import wasibox
 from tests.conftest import PYTHON, child_env
+from wasibox._guest import _recipe
 
 pytestmark = pytest.mark.guest
 
@@ -44,3 +46,28 @@ def test_guest_digest_is_a_sha256() -> None:
     digest = wasibox.guest_digest()
     assert len(digest) == 64 and int(digest, 16) >= 0
     assert digest == wasibox.guest_digest()
+
+
+def test_the_c_stack_limit_is_written_where_cpython_recorded_it(tmp_path: Path) -> None:
+    recipe = _recipe()
+    top, margin = recipe.SHADOW_STACK_TOP, recipe.STACK_MARGIN_BYTES
+    component = tmp_path / "guest.wasm"
+    component.write_bytes(b"head" + struct.pack("<III", top, 2 * margin, margin) + b"tail")
+    recipe._fit_c_stack_limit(component)
+    soft = top - recipe.C_STACK_BYTES
+    assert component.read_bytes() == (
+        b"head" + struct.pack("<III", top, soft, soft - margin) + b"tail")
+
+
+@pytest.mark.parametrize("times", [0, 2])
+def test_a_snapshot_without_exactly_one_c_stack_record_fails_the_build(
+        tmp_path: Path, times: int) -> None:
+    recipe = _recipe()
+    record = struct.pack("<III", recipe.SHADOW_STACK_TOP, 2 * recipe.STACK_MARGIN_BYTES,
+                         recipe.STACK_MARGIN_BYTES)
+    component = tmp_path / "guest.wasm"
+    component.write_bytes(b"x".join([b"data"] + [record] * times))
+    before = component.read_bytes()
+    with pytest.raises(recipe.BuildError, match="C-stack limits were not found exactly once"):
+        recipe._fit_c_stack_limit(component)
+    assert component.read_bytes() == before

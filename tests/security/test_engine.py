@@ -139,18 +139,19 @@ def test_epoch_interruption_is_on(engine: wasmtime.Engine) -> None:
 
 
 def test_wasm_stack_is_capped_and_smaller_than_host_stacks(engine: wasmtime.Engine) -> None:
-    assert MAX_WASM_STACK == ENGINE_SETTINGS["max_wasm_stack"] == 1 << 20
+    assert MAX_WASM_STACK == ENGINE_SETTINGS["max_wasm_stack"] == 5 << 20
+    assert ENGINE_SETTINGS["async_stack_size"] == MAX_WASM_STACK
     assert MIN_HOST_STACK > MAX_WASM_STACK
-    # Runs execute on the thread that calls Sandbox.run. On Linux both the main thread and a
-    # default threading.Thread have more stack than the guest may use, so they run in place;
-    # smaller threads hand the call to a helper (test below).
+    # Runs execute on the thread that calls Sandbox.run. On Linux (8 MiB stacks) both the
+    # main thread and a default threading.Thread have the stack a run needs, so they run in
+    # place; smaller threads hand the call to a helper (test below).
     main = thread_stack_bytes()
     sizes: list[int | None] = []
     worker = threading.Thread(target=lambda: sizes.append(thread_stack_bytes()))
     worker.start()
     worker.join()
     for size in (main, sizes[0]):
-        assert size is not None and size > MAX_WASM_STACK
+        assert size is not None and size >= MIN_HOST_STACK
     # The cap is enforced by the engine: unbounded wasm recursion is a trap, not a crash.
     store = wasmtime.Store(engine)
     store.set_fuel(10**9)
@@ -159,6 +160,50 @@ def test_wasm_stack_is_capped_and_smaller_than_host_stacks(engine: wasmtime.Engi
     exports = wasmtime.Instance(store, recurse, []).exports(store)
     with pytest.raises(wasmtime.Trap, match="call stack exhausted"):
         exports["f"](store)
+
+
+_DEEPEST_HOST = textwrap.dedent("""
+    import asyncio, concurrent.futures, threading, wasibox
+    bombs = [
+        # guarded by CPython: a RecursionError the guest could catch
+        "import json\\njson.loads('[' * 10**7)",
+        # not guarded: freeing a million nested lists, hashing a million nested tuples
+        "l = []\\nfor _ in range(10**6):\\n    l = [l]\\ndel l",
+        "t = ()\\nfor _ in range(10**6):\\n    t = (t,)\\nhash(t)",
+    ]
+    with wasibox.Sandbox(wasibox.Limits(memory_bytes="1GiB", timeout_s=60)) as sandbox:
+        def run_all():
+            return [sandbox.run(bomb) for bomb in bombs]
+        results = run_all()  # the main thread
+        worker = threading.Thread(target=lambda: results.extend(run_all()))
+        worker.start()
+        worker.join()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            results += pool.submit(run_all).result()
+        results += asyncio.run(asyncio.to_thread(run_all))
+        for result in results:
+            print(result.error.type, result.limit_exceeded, result.error.message[:14])
+        print(sandbox.run("print(6 * 7)").stdout.strip())
+""")
+
+
+@pytest.mark.guest
+def test_the_deepest_guest_recursion_ends_as_a_recursion_error_on_every_calling_thread(
+) -> None:
+    # CPython's own checks raise RecursionError where they exist; where they do not, the
+    # run ends at max_wasm_stack as a typed result. Either way on the main thread, a
+    # default thread, an executor and asyncio's: all must have the native stack it takes,
+    # or a host thread would overflow (SIGSEGV). A child process hosts it, so a regression
+    # fails this test instead of the test run.
+    done = subprocess.run([PYTHON, "-c", _DEEPEST_HOST], env=child_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "42"
+    # CPython's message ("Stack overflow (used 128 kB) ...") first, then wasibox's.
+    assert lines[:-1] == ["RecursionError None Stack overflow",
+                          "RecursionError None stack overflow",
+                          "RecursionError None stack overflow"] * 4
 
 
 _SMALL_STACK_HOST = textwrap.dedent("""

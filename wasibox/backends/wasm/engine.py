@@ -34,9 +34,16 @@ WASMTIME_VERSION = installed_version("wasmtime")
 EPOCH_TICK_S = 0.01
 #: How long the epoch ticker goes on ticking after the last run ended (see Ticker).
 TICKER_IDLE_S = 1.0
-MAX_WASM_STACK = 1 << 20
-#: The native stack a run needs: the guest's share, plus room for the host frames around it.
-#: A thread with less runs its guests on a helper thread (see stack.py).
+#: The native stack compiled guest code may use before Wasmtime traps. The guest's CPython
+#: raises RecursionError once it has used 128 KiB of its own (shadow) stack in linear memory
+#: (guest/build.py fits that limit), and a C frame costs up to ~32 times more native stack
+#: than shadow stack (measured on the paths CPython guards: repr, pickle, json, comparisons
+#: of nested containers), so 4 MiB would do: 5 MiB leaves room for frames costlier still.
+MAX_WASM_STACK = 5 << 20
+#: The native stack a run needs: the guest's share, plus room for the host frames around it
+#: (host functions called from the deepest guest frame run on the same stack). 7 MiB fits
+#: the 8 MiB Linux gives the main thread and every default thread, so runs stay in place;
+#: a thread with less runs its guests on a helper thread (see stack.py).
 MIN_HOST_STACK = MAX_WASM_STACK + (2 << 20)
 #: Engine settings: part of the compiled-guest cache key, and asserted by tests.
 ENGINE_SETTINGS: dict[str, Any] = {
@@ -45,6 +52,9 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "consume_fuel": True,
     "epoch_interruption": True,
     "max_wasm_stack": MAX_WASM_STACK,
+    # Wasmtime 50 refuses a max_wasm_stack above the async stack size (2 MiB by default),
+    # even with no async call ever made.
+    "async_stack_size": MAX_WASM_STACK,
     "wasm_threads": False,
     "shared_memory": False,
     "wasm_gc": False,

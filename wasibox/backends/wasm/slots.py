@@ -170,6 +170,10 @@ def configure_pooling(config: wasmtime.Config) -> SlotReuse:
             pooling, KEEP_RESIDENT_BYTES)
         ffi.wasmtime_pooling_allocation_config_max_memory_size_set(
             pooling, MAX_SLOT_MEMORY_BYTES)
+        # No run is async, so no fiber stack is ever taken from the pool: reserve none (by
+        # default it reserves 1,000 stacks of the async stack size, which max_wasm_stack
+        # sets: 5 GiB of address space).
+        ffi.wasmtime_pooling_allocation_config_total_stacks_set(pooling, 0)
         ffi.wasmtime_pooling_allocation_strategy_set(config.ptr(), pooling)
     finally:
         ffi.wasmtime_pooling_allocation_config_delete(pooling)
