@@ -8,7 +8,8 @@ An image is three files:
   with python3, numpy, pandas, msgpack and any configured extra Debian Python packages;
 * ``initramfs.cpio``: busybox-static, the kernel modules the guest needs (with everything
   they depend on, in load order), ``guest/microvm/init`` and the agent
-  ``guest/microvm/agent.py`` with its mount support ``guest/microvm/wasibox_vm_files.py``.
+  ``guest/microvm/agent.py`` with its mount support ``guest/microvm/wasibox_vm_files.py``,
+  the wasm runner's job core ``guest/runner/wasibox_job.py`` and its ``host`` package.
 
 The kernel and root file system are slow to make (a minute or two) and are cached under a key
 of their recipe (suite, mirror, package list, this module's recipe version); the initramfs is
@@ -326,6 +327,9 @@ def _initramfs_inputs(base: Path) -> list[tuple[str, int, bytes]]:
     entries.append(("agent.py", regular, (sources / "agent.py").read_bytes()))
     entries.append(("wasibox_vm_files.py", regular,
                     (sources / "wasibox_vm_files.py").read_bytes()))
+    # The wasm runner's job core, unchanged: the agent runs each job with the same code.
+    entries.append(("wasibox_job.py", regular,
+                    (sources.parent / "runner" / "wasibox_job.py").read_bytes()))
     # The wasm guest's `import host` module, unchanged: the agent gives it the same channel.
     entries.append(("host", directory, b""))
     for module in sorted((sources.parent / "runner" / "host").glob("*.py")):
