@@ -149,8 +149,11 @@ def encode_reply(exit_code, error, value, memory_error, heap_top):
     (which builds a new encoder per call), cost more fuel than a small program does.
     Raises TypeError, ValueError or OverflowError for a value msgpack cannot carry.
     """
-    parts = ['{"exit_code":%d,"memory_error":%s,"heap_top":%d'
-             % (exit_code, "true" if memory_error else "false", heap_top)]
+    head = ('{"exit_code":%d,"memory_error":%s,"heap_top":%d'
+            % (exit_code, "true" if memory_error else "false", heap_top))
+    if error is None and value is None:  # most replies
+        return head + "}"
+    parts = [head]
     if error is not None:
         parts.append(',"error":{"type":%s,"message":%s,"traceback":%s}' % (
             _json_string(error["type"]), _json_string(error["message"]),
