@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import wasmtime
 
@@ -37,3 +39,30 @@ def test_the_library_digest_is_cached_and_correct(tmp_path, monkeypatch) -> None
     first = _slots.library_sha256()
     assert (tmp_path / "wasmtime-library.json").is_file()
     assert _slots.library_sha256() == first == file_sha256(_slots.library_path())
+
+
+class CountingPopulator(_slots.SlotPopulator):
+    """Counts the scans for unseen slots instead of reading /proc/self/maps."""
+
+    scans = 0
+
+    def _populate(self) -> None:
+        self.scans += 1
+
+
+def test_slots_are_scanned_only_when_more_stores_live_than_ever_before(tmp_path) -> None:
+    populator = CountingPopulator(tmp_path / "guest.cwasm")
+    engine = wasmtime.Engine()
+    stores = [wasmtime.Store(engine) for _ in range(3)]
+    for store in stores:
+        populator.track(store)
+    assert populator.scans == 3
+    del store
+    stores.clear()
+    gc.collect()
+    # All three are gone: three new ones fit the slots already seen, a fourth does not.
+    again = [wasmtime.Store(engine) for _ in range(4)]
+    for store in again:
+        populator.track(store)
+    assert populator.scans == 4
+

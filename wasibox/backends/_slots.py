@@ -203,6 +203,8 @@ class SlotPopulator:
         self._live = 0
         self._most_live = 0
         self._lock = threading.Lock()
+        #: The weak references that count live stores (each must outlive its store).
+        self._stores: set[weakref.ref[wasmtime.Store]] = set()
         self._madvise = ctypes.CDLL(None, use_errno=True).madvise
         self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._madvise.restype = ctypes.c_int
@@ -215,12 +217,18 @@ class SlotPopulator:
             self._live += 1
             new_high = self._live > self._most_live and not self.refused
             self._most_live = max(self._most_live, self._live)
-        weakref.finalize(store, self._dropped)
+        # A weak reference with a callback, not weakref.finalize: finalizers live in one
+        # registry that the interpreter iterates at exit, and a pool thread adding one then
+        # made that iteration fail ("dictionary changed size during iteration").
+        ref = weakref.ref(store, self._dropped)
+        with self._lock:
+            self._stores.add(ref)
         if new_high:
             self._populate()
 
-    def _dropped(self) -> None:
+    def _dropped(self, ref: weakref.ref[wasmtime.Store]) -> None:
         with self._lock:
+            self._stores.discard(ref)
             self._live -= 1
 
     def _populate(self) -> None:
