@@ -33,8 +33,9 @@ import time
 
 import wasibox
 from wasibox._progress import silent
-from wasibox.backends import microvm as vm
+from wasibox.backends.microvm import runtime as vm
 from wasibox.backends.microvm.image import ensure_image
+from wasibox.backends.microvm.qemu import MachineSpec
 
 NUMPY_CODE = "import numpy as np\na = np.arange(10_000, dtype=np.float64)\nprint(float(a @ a))"
 PYTHON_CODE = "a = [float(i) for i in range(10_000)]\nprint(sum(x * x for x in a))"
@@ -47,15 +48,15 @@ def _median(samples: list[float]) -> str:
 
 
 def cold_boot(runtime: vm.MicroVMRuntime, count: int) -> list[float]:
-    spec = vm.MachineSpec(runtime.image, runtime.accel, vm.default_memory_mib())
+    spec = MachineSpec(runtime.image, runtime.accel, vm.default_memory_mib())
     samples = []
     for _ in range(count):
-        with vm._run_directory() as paths:
-            listener = vm._listen(paths.channel)
+        with vm.run_directory() as paths:
+            listener = vm.listen(paths.channel)
             started = time.perf_counter()
             process = runtime.engine.launch(spec, paths, ram=paths.directory / "ram",
                                             restore=None)
-            machine = vm._VM(process, paths, listener)
+            machine = vm.VM(process, paths, listener)
             try:
                 runtime._wait_ready(machine, time.monotonic() + vm.TEMPLATE_TIMEOUT_S)
                 samples.append(time.perf_counter() - started)
@@ -71,7 +72,7 @@ def restore(runtime: vm.MicroVMRuntime, count: int) -> tuple[list[float], list[f
     request = {"kind": "run", "job": {"op": "run", "code": "pass", "seed": 0},
                "output_bytes": 1024, "cpu_s": 10, "entropy": os.urandom(32), "time_ns": 0}
     for _ in range(count):
-        with vm._run_directory() as paths:
+        with vm.run_directory() as paths:
             started = time.perf_counter()
             machine = runtime.restore(memory_mib, paths)
             try:

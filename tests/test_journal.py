@@ -231,8 +231,10 @@ def test_a_journal_from_another_guest_is_refused_naming_both_digests(
     assert "0" * 64 in done.stderr and current in done.stderr
 
 
-def test_a_journal_of_a_package_set_names_it_and_is_refused_for_replay(
+def test_a_journal_naming_its_package_set_by_versions_only_is_refused_clearly(
         tmp_path: Path, origin: Origin) -> None:
+    """Journals from before each wheel's sha256 was recorded (tests/test_packages.py replays
+    a package set's journal)."""
     path, _ = record(tmp_path, origin, {"apple": 2.0})
     lines = path.read_text(encoding="utf-8").splitlines()
     header = json.loads(lines[0])
@@ -241,7 +243,7 @@ def test_a_journal_of_a_package_set_names_it_and_is_refused_for_replay(
     lines[0] = json.dumps(header)
     other = tmp_path / "packages.journal"
     other.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with pytest.raises(JournalError, match="attrs==26.1.0") as caught:
+    with pytest.raises(JournalError, match=r"attrs==26\.1\.0.*record the run again") as caught:
         replay(other)
     assert not isinstance(caught.value, GuestDigestMismatch)
 
@@ -406,12 +408,12 @@ def test_fuel_does_not_depend_on_whether_the_callers_strings_are_interned() -> N
 DOC = Path(__file__).resolve().parent.parent / "docs" / "journal.md"
 
 
-@pytest.mark.parametrize("index", range(2))
+@pytest.mark.parametrize("index", range(3))
 def test_the_docs_examples_run(index: int, capsys: pytest.CaptureFixture[str]) -> None:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     exec(compile(blocks[index], f"docs/journal.md example {index + 1}", "exec"), {})
-    assert capsys.readouterr().out == ["10.0\n\n", "1\n\n"][index]
+    assert capsys.readouterr().out == ["10.0\n\n", "ValueError\n", "1\n\n"][index]
 
 
 @pytest.mark.parametrize("bad", [{"not": "a value"}, ["ok", 2**70], ["ok", "text"], None,
@@ -473,3 +475,52 @@ def test_async_and_started_runs_record_too(tmp_path: Path) -> None:
     awaited = asyncio.run(main())
     assert replay(tmp_path / "awaited.jsonl").results[0].stdout == awaited.stdout
     assert replay(tmp_path / "started.jsonl").results[0].stdout == "started\n"
+
+
+CALLED = """\
+import host, random
+def score(word, *, weight):
+    print('scoring', word)
+    if word == 'boom':
+        raise ValueError(f'cannot score {word!r}')
+    return {'word': word, 'score': host.rate() * weight * len(word), 'noise': random.random()}
+"""
+
+
+def test_call_records_a_journal_that_replays_in_another_process(tmp_path: Path) -> None:
+    """``Sandbox.call(..., journal=)`` records the call whether it returns or raises; the
+    replay, in a process of its own, gives the same value, stdout and fuel."""
+    script = (
+        "import json, sys, wasibox\n"
+        "journal = wasibox.Journal()\n"
+        "with wasibox.Sandbox(seed=5, functions={'rate': lambda: 1.5}) as sb:\n"
+        "    value = sb.call(sys.argv[1], 'score', 'abc', weight=2, journal=journal)\n"
+        "    try:\n"
+        "        sb.call(sys.argv[1], 'score', 'boom', weight=1, journal=journal)\n"
+        "    except wasibox.GuestError as exc:\n"
+        "        failed = exc.result.to_dict()\n"
+        "journal.save(sys.argv[2])\n"
+        "print(json.dumps([value, failed]))\n")
+    path = tmp_path / "call.jsonl"
+    done = subprocess.run([PYTHON, "-c", script, CALLED, str(path)], env=child_env(),
+                          capture_output=True, text=True, timeout=300, check=True)
+    value, failed = json.loads(done.stdout)
+    assert value["word"] == "abc" and value["score"] == 9.0
+    assert failed["error"]["type"] == "ValueError"
+    replayed = replay_cli("--json", str(path))
+    assert replayed.returncode == 0, replayed.stderr
+    first, second = (call["result"] for call in json.loads(replayed.stdout)["calls"])
+    assert first["value"] == value and first["stdout"] == "scoring abc\n"
+    assert second["error"] == failed["error"] and second["fuel_used"] == failed["fuel_used"]
+
+
+def test_acall_records_a_journal_too(tmp_path: Path) -> None:
+    async def main() -> object:
+        with wasibox.Sandbox(functions={"rate": lambda: 2.0}) as sb:
+            return await sb.acall(CALLED, "score", "xy", weight=3,
+                                  journal=tmp_path / "acall.jsonl")
+
+    value = asyncio.run(main())
+    report = replay(tmp_path / "acall.jsonl")
+    assert report.ok and report.results[0].value == value
+    assert isinstance(value, dict) and value["score"] == 12.0

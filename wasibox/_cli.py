@@ -17,7 +17,7 @@ from ._journal import DEFAULT_JOURNAL_BYTES
 from ._limits import FUEL_PER_SECOND, Limit, Limits, parse_size
 from ._terminal import inert
 from ._version import __version__
-from .capabilities.files.mount import Mount, guest_path_for
+from .capabilities.files.mount import MOUNT_METAVAR, guest_path_for, parse_mount, parse_scratch
 
 __all__ = ["main"]
 
@@ -47,6 +47,8 @@ examples:
   wasibox run -c 'print(sum(range(10)))'
   wasibox run --timeout 1 --json -c 'while True: pass'
   wasibox run --mount ./data:/data --mount ./out:/out:rw --scratch /tmp report.py
+  wasibox run --mount ./out:/out:rw,c_access orders.py
+      (C code in the guest, such as sqlite3.connect('/out/shop.db'), sees /out too)
   wasibox run --mount ./proj:/src proj/main.py --verbose < input.csv
       (main.py imports its own modules: the script's directory comes first on sys.path;
       arguments after the script are its sys.argv[1:], and it reads this stdin)
@@ -101,13 +103,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true",
                      help="print the whole result as JSON instead of relaying output")
     files = run.add_argument_group("files (the guest has none unless granted)")
-    files.add_argument("--mount", action="append", default=[], metavar="HOST:GUEST[:rw]",
+    files.add_argument("--mount", action="append", default=[], metavar=MOUNT_METAVAR,
                        help="show host directory HOST to the guest at GUEST, read-only unless "
                             "':rw' is added (then its changes are published only if the run "
-                            "ends ok); repeatable")
-    files.add_argument("--scratch", metavar="GUEST",
+                            "ends ok); ':rw,c_access' also shows it to C code in the guest, "
+                            "such as sqlite3 (a private copy of its files per run); "
+                            "repeatable")
+    files.add_argument("--scratch", metavar="GUEST[:c_access]",
                        help="a private, empty, writable directory at GUEST (e.g. /tmp), "
-                            "thrown away after the run")
+                            "thrown away after the run; ':c_access' shows it to C code too")
     program = run.add_argument_group("the program's input (none of the host's unless given)")
     program.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
                          help="set NAME in the guest's os.environ, to VALUE or to this "
@@ -279,11 +283,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return EXIT_WASIBOX_ERROR
     limits = Limits(fuel=args.fuel, memory_bytes=args.memory, timeout_s=args.timeout,
                     output_bytes=args.output_bytes)
-    from ._cli_data import parse_mount
-
     mounts = [parse_mount(text) for text in args.mount]
     if args.scratch:
-        mounts.append(Mount.scratch(args.scratch))
+        mounts.append(parse_scratch(args.scratch))
     filename, python_path = None, []
     if args.code is None and args.file != "-":
         # As `python script.py` does: the script's own directory first on sys.path, when

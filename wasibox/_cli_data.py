@@ -28,10 +28,10 @@ from ._limits import Limits
 from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from ._wire import ProtocolError
-from .capabilities.files.mount import Mount
+from .capabilities.files.mount import MOUNT_METAVAR, parse_mount
 
 __all__ = ["FORMATS", "add_commands", "format_of", "package_arguments", "package_options",
-           "parse_mount", "read_records", "write_records"]
+           "read_records", "write_records"]
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".msgpack": "msgpack",
            ".mpk": "msgpack"}
@@ -234,19 +234,10 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
 
 
 def _mount_argument(parser: argparse.ArgumentParser, script: str) -> None:
-    parser.add_argument("--mount", action="append", default=[], metavar="HOST:GUEST[:rw]",
+    parser.add_argument("--mount", action="append", default=[], metavar=MOUNT_METAVAR,
                         help=f"show host directory HOST to the guest at GUEST, as for wasibox "
                              f"run; when a mount holds {script}, its directory comes first on "
                              f"the guest's sys.path, so its own modules import; repeatable")
-
-
-def parse_mount(text: str) -> Mount:
-    """``HOST:GUEST`` or ``HOST:GUEST:rw`` (or ``:ro``) as a Mount; UsageError otherwise."""
-    host, _, rest = text.partition(":")
-    guest, _, mode = rest.partition(":")
-    if not host or not guest or mode not in ("", "ro", "rw"):
-        raise UsageError(f"--mount takes HOST:GUEST or HOST:GUEST:rw, not {text!r}")
-    return Mount(host, guest, writable=mode == "rw")
 
 
 def _script_options(path: str, mount_texts: list[str]) -> dict[str, Any]:

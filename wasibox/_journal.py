@@ -69,6 +69,7 @@ from ._result import RunResult, json_value
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from ._packages import PackageSet
     from .backends.base import Job, Policy
 
 __all__ = ["DEFAULT_JOURNAL_BYTES", "JOURNAL_VERSION", "Journal", "ReplayReport", "Tape"]
@@ -395,9 +396,9 @@ def journal_digest(backend: object) -> str:
 
 def header_for(kind: Literal["run", "session"], guest_digest: str, policy: Policy,
                limits: Limits, python_path: Sequence[str],
-               packages: Sequence[str]) -> dict[str, Any]:
+               packages: PackageSet | None) -> dict[str, Any]:
     """The header of a journal of ``policy``'s runs: no host paths, no host function code."""
-    return {
+    header: dict[str, Any] = {
         "wasibox_journal": JOURNAL_VERSION,
         "kind": kind,
         "guest_digest": guest_digest,
@@ -414,8 +415,13 @@ def header_for(kind: Literal["run", "session"], guest_digest: str, policy: Polic
         "http": policy.http is not None,
         "python_path": list(python_path),
         # The package set built into the guest ("name==version" pins), or none.
-        "packages": list(packages),
+        "packages": list(packages.pins) if packages is not None else [],
     }
+    if packages is not None:
+        # Its exact wheels (file name and sha256), so that a replay rebuilds that very guest
+        # from the package cache; absent without packages, as in journals from before.
+        header["wheels"] = packages.records()
+    return header
 
 
 def limits_of(limits: Limits) -> dict[str, Any]:
@@ -538,7 +544,16 @@ def _check_header(record: dict[str, Any]) -> dict[str, Any]:
     _text_list(_want(record, "functions", list, where), "functions", where)
     _want(record, "http", bool, where)
     _want(record, "mounts", list, where)
-    _want(record, "packages", list, where)
+    pins = _text_list(_want(record, "packages", list, where), "packages", where)
+    if "wheels" in record:
+        from ._packages import recorded_set
+
+        try:
+            recorded = recorded_set(record["wheels"])
+        except ValueError as exc:
+            raise JournalError(f"{where}: {exc}") from None
+        if list(recorded.pins) != pins:
+            raise JournalError(f"{where}: 'wheels' are not the package set 'packages' names")
     return record
 
 
@@ -615,18 +630,23 @@ def load_snapshot(snapshot: Journal | bytes | str | os.PathLike[str]) -> Journal
     journal of runs rather than of a session."""
     if isinstance(snapshot, bytes | bytearray):
         snapshot = Journal.loads(bytes(snapshot))
-    journal = load_for_replay(snapshot, DEFAULT_JOURNAL_BYTES)
+    journal, _ = load_for_replay(snapshot, DEFAULT_JOURNAL_BYTES)
     if journal.kind != "session":
         raise JournalError("this journal records runs, not a session: only a session's "
                            "snapshot can be restored (replay it with wasibox.replay)")
     return journal
 
 
-def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -> Journal:
-    """The journal, read if it is a path, and checked to be replayable here.
+def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int,
+                    ) -> tuple[Journal, PackageSet | None]:
+    """The journal, read if it is a path, and checked to be replayable here; with the
+    package set its guest was built with (None for none).
 
-    Raises JournalError for a journal that cannot be read, was truncated or was recorded
-    with a package set, GuestDigestMismatch if another guest recorded it.
+    A package set is found in the package cache only, never fetched, and its guest is built
+    from it if this machine has not built it yet. Raises JournalError for a journal that
+    cannot be read, was truncated, or names a package set whose wheels are not cached (the
+    message names them and the command that fetches them); GuestDigestMismatch if another
+    guest recorded it; GuestBuildError if the package set's guest cannot be built.
     """
     if not isinstance(journal, Journal):
         try:
@@ -641,17 +661,40 @@ def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int) -
                            "again with a larger Journal(max_bytes=...) (--journal-bytes)")
     if any(call.outcome is None for call in journal._calls):
         raise JournalError("the journal ends inside a call (its outcome is missing)")
-    if journal.header["packages"]:
-        raise JournalError(
-            "the journal was recorded by a guest with the package set "
-            f"{', '.join(journal.header['packages'])}; replaying such runs is not supported "
-            "yet (a session of that sandbox can still be restored from its snapshot)")
-    from ._guest import guest_digest
+    package_set = _cached_package_set(journal.header)
+    from ._guest import ensure_guest
 
-    current = guest_digest()
+    current = ensure_guest(None, package_set).digest
     if journal.header["guest_digest"] != current:
         raise GuestDigestMismatch(journal.header["guest_digest"], current)
-    return journal
+    return journal, package_set
+
+
+def _cached_package_set(header: Mapping[str, Any]) -> PackageSet | None:
+    """The package set a (checked) header names, if its wheels are all in the package cache;
+    None for none. Raises JournalError naming what is missing and how to fetch it."""
+    pins = header["packages"]
+    if not pins:
+        return None
+    if "wheels" not in header:
+        raise JournalError(
+            f"the journal names its package set ({', '.join(pins)}) by versions only, as "
+            "wasibox did before it recorded each wheel's sha256, so the exact guest it ran "
+            "cannot be rebuilt; record the run again with this wasibox to replay it")
+    from ._packages import recorded_set
+
+    package_set = recorded_set(header["wheels"])
+    missing = package_set.uncached()
+    if missing:
+        flags = " ".join(f"--package {pin}" for pin in package_set.pins)
+        raise JournalError(
+            "the journal's package set needs wheels that are not in this machine's package "
+            "cache: " + ", ".join(f"{wheel.filename} (sha256 {wheel.sha256[:16]}...)"
+                                  for wheel in missing)
+            + f"; fetch them with `wasibox prepare {flags}` (adding the --find-links or "
+            "--index-url the recording machine used), then replay again. A wheel fetched "
+            "again must have the recorded sha256, or the replay is refused")
+    return package_set
 
 
 def replay_into(journal: Journal, run_call: Callable[[dict[str, Any], Tape], RunResult],

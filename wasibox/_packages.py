@@ -59,6 +59,7 @@ __all__ = [
     "Wheel",
     "guest_digest",
     "packages_from",
+    "recorded_set",
     "resolve",
 ]
 
@@ -77,6 +78,10 @@ _REQUIREMENT = re.compile(
 _WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(?:-\d[^-]*)?"
                          r"-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$")
 _NOT_FOUND = re.compile(r"No matching distribution found for (\S+)")
+# A wheel file name a journal may name: one path component, nothing but the characters of
+# wheel names (so it can only ever name a file inside the package cache).
+_SAFE_FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]*\.whl$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +152,16 @@ class PackageSet:
         """Where ``wheel`` is kept in the cache."""
         return _packages_dir() / "wheels" / wheel.sha256[:32] / wheel.filename
 
+    def records(self) -> list[dict[str, str]]:
+        """Each wheel's file name and sha256: what a journal records to find the exact set
+        again (``recorded_set`` reads it back)."""
+        return [{"filename": wheel.filename, "sha256": wheel.sha256} for wheel in self.wheels]
+
+    def uncached(self) -> list[Wheel]:
+        """The wheels the package cache does not hold with their recorded sha256."""
+        return [wheel for wheel in self.wheels if not self.wheel_path(wheel).is_file()
+                or file_sha256(self.wheel_path(wheel)) != wheel.sha256]
+
     def unpack(self, directory: Path) -> None:
         """Unpack the set's wheels into ``directory`` (a site-packages layout).
 
@@ -212,6 +227,31 @@ def packages_from(value: object) -> Packages | None:
         raise UsageError("packages must be a list of requirements, such as ['attrs'], or a "
                          "wasibox.Packages")
     return Packages(requirements=tuple(value)) if value else None
+
+
+def recorded_set(records: object) -> PackageSet:
+    """The package set that ``PackageSet.records()`` described (as a journal holds it).
+
+    Nothing is fetched or read: the wheels may or may not be cached (see ``uncached``).
+    Raises ValueError, saying what is wrong, unless ``records`` is a non-empty list of
+    objects with exactly a pure-Python wheel's file name and a sha256 in hex.
+    """
+    if not isinstance(records, list) or not records:
+        raise ValueError("'wheels' must be a non-empty list")
+    wheels = []
+    for record in records:
+        if not (isinstance(record, dict) and set(record) == {"filename", "sha256"}
+                and all(isinstance(value, str) for value in record.values())):
+            raise ValueError("each wheel must name exactly its filename and sha256")
+        filename, sha256 = record["filename"], record["sha256"]
+        match = _WHEEL_NAME.match(filename)
+        if (match is None or not _SAFE_FILENAME.match(filename) or match["abi"] != "none"
+                or match["platform"] != "any"):
+            raise ValueError(f"{filename[:100]!r} is not a pure-Python wheel's file name")
+        if not _SHA256.match(sha256):
+            raise ValueError(f"the sha256 of {filename} is not 64 hex digits")
+        wheels.append(Wheel(match["name"], match["version"], filename, sha256))
+    return _package_set(wheels)
 
 
 def resolve(packages: Packages, progress: Reporter | None = None) -> PackageSet:

@@ -21,21 +21,27 @@ def replay(journal: Journal | str | os.PathLike[str], *, check: bool = True,
     """Re-execute a journal offline and compare every output and the fuel with the record.
 
     Nothing of the host is used: no network, no mounts, no host functions; every value that
-    crossed into the guest is served from the journal. A ``"run"`` journal replays each
-    call in a fresh interpreter; a ``"session"`` journal replays its calls in one new
-    session. Returns the report; with ``check`` (the default) raises ReplayMismatch, with
-    the diff, if any call differs.
+    crossed into the guest is served from the journal. A journal of a sandbox with
+    ``packages=`` runs on the guest built for that exact package set, from the wheels in the
+    package cache (never fetched; the guest is built first if this machine has not yet).
+    A ``"run"`` journal replays each call in a fresh interpreter; a ``"session"`` journal
+    replays its calls in one new session. Returns the report; with ``check`` (the
+    default) raises ReplayMismatch, with the diff, if any call differs.
 
     Raises JournalError if the journal cannot be read (or is larger than ``max_bytes``, or
-    was truncated), GuestDigestMismatch if another guest recorded it, ReplayMismatch as
-    said, and UsageError if the journal holds something this Sandbox refuses.
+    was truncated, or names a package set whose wheels are not cached: the message names
+    them and the ``wasibox prepare`` command that fetches them), GuestDigestMismatch if
+    another guest recorded it, GuestBuildError if the package set's guest cannot be built,
+    ReplayMismatch as said, and UsageError if the journal holds something this Sandbox
+    refuses.
     """
-    journal = load_for_replay(journal, max_bytes)
+    journal, package_set = load_for_replay(journal, max_bytes)
     header = journal.header
     assert header is not None
     with Sandbox(Limits(**header["limits"]), seed=header["seed"], clock=header["clock"],
                  entropy=header["entropy"], backend="wasm",
-                 python_path=header["python_path"]) as sandbox:
+                 python_path=header["python_path"],
+                 packages=package_set if package_set is not None else ()) as sandbox:
         # A session's calls replay in one new session, a run journal's each in a fresh
         # interpreter, as they were recorded.
         if header["kind"] == "session":

@@ -96,7 +96,7 @@ class Sandbox:
         max_concurrency: int | None = None,
         max_queue: int = 0,
         python_path: Sequence[str] = (),
-        packages: Sequence[str] | Packages = (),
+        packages: Sequence[str] | Packages | PackageSet = (),
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise UsageError(f"limits must be a wasibox.Limits, not {type(limits).__name__}")
@@ -252,21 +252,27 @@ class Sandbox:
                                             _Context(stdin, argv, env, filename), journal))
 
     def call(self, code: str, entry: str, /, *args: Any,
-             limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+             limits: Mapping[str, Any] | None = None,
+             journal: Journal | str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
         """Run ``code``, then call its function ``entry`` with the arguments; return its value.
 
-        ``limits`` narrows this run's limits as in ``run`` (so it is not passed on to the
-        function: pass a keyword argument named ``limits`` with ``run(..., kwargs=...)``).
+        ``limits`` narrows this run's limits and ``journal`` records the run, as in ``run``
+        (so neither is passed on to the function: pass a keyword argument of either name
+        with ``run(..., kwargs=...)``). The journal records the call whether it returns or
+        raises, so a failed call can be replayed with ``wasibox replay``.
         Raises GuestError if the guest raised or exited non-zero, LimitExceeded if a limit
         was hit, and UsageError as ``run`` does.
         """
-        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs, limits=limits))
+        return unwrap(self.run(code, entry=entry, args=args, kwargs=kwargs, limits=limits,
+                               journal=journal))
 
     async def acall(self, code: str, entry: str, /, *args: Any,
-                    limits: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+                    limits: Mapping[str, Any] | None = None,
+                    journal: Journal | str | os.PathLike[str] | None = None,
+                    **kwargs: Any) -> Any:
         """``call`` for async code; raises as ``call`` and ``arun`` do."""
         return unwrap(await self.arun(code, entry=entry, args=args, kwargs=kwargs,
-                                      limits=limits))
+                                      limits=limits, journal=journal))
 
     def close(self) -> None:
         """Close the sandbox; idempotent. Runs already in progress finish normally; runs
@@ -371,7 +377,7 @@ class Sandbox:
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
         tape = journal.begin(header_for(kind, digest, self.policy, self.limits,
-                                        self.python_path, self._package_pins()), request)
+                                        self.python_path, self.package_set), request)
         tape.save_to = target
         return tape
 
@@ -439,7 +445,7 @@ class Sandbox:
         lacking = wasm_lacks(job.code, self.requires)
         if not lacking:
             return self._backend
-        from .backends.microvm.backend import microvm_available, vm_modules
+        from .backends.microvm.runtime import microvm_available, vm_modules
 
         if not (microvm_available() and lacking & vm_modules()):
             return self._backend
@@ -645,20 +651,25 @@ def unwrap(result: RunResult) -> Any:
     return result.value
 
 
-def _package_set(packages: Sequence[str] | Packages,
+def _package_set(packages: Sequence[str] | Packages | PackageSet,
                  backend: str | Backend) -> PackageSet | None:
-    """``packages`` resolved for the wasm guest, or None for none; raises as Sandbox says."""
-    wanted = packages_from(packages)
+    """``packages`` resolved for the wasm guest, or None for none; raises as Sandbox says.
+
+    A PackageSet is taken as it is: ``wasibox.replay`` passes the set a journal recorded,
+    found in the package cache, so that nothing is resolved again."""
+    wanted = packages if isinstance(packages, PackageSet) else packages_from(packages)
     if wanted is None:
         return None
     if backend not in ("auto", "wasm"):
         raise UsageError("packages= needs backend 'wasm' or 'auto': the microVM does not "
                          "install packages (its image has numpy, pandas and the like "
                          "already)")
+    if isinstance(wanted, PackageSet):
+        return wanted
     try:
         return resolve(wanted)
     except NativeOnlyPackage as exc:
-        from .backends.microvm.backend import vm_modules
+        from .backends.microvm.runtime import vm_modules
 
         module = exc.package.lower().replace("-", "_")
         if module in vm_modules():

@@ -216,7 +216,7 @@ class Session:
         journal = load_snapshot(snapshot)
         header = header_for("session", journal_digest(self._backend),
                             self._sandbox.policy, self._sandbox.limits,
-                            self._sandbox.python_path, self._sandbox._package_pins())
+                            self._sandbox.python_path, self._sandbox.package_set)
         assert journal.header is not None
         differing = sorted(key for key in header.keys() | journal.header.keys()
                            if header.get(key) != journal.header.get(key))

@@ -23,6 +23,7 @@ Needs the ``hypothesis`` package (``pip install 'wasibox[testing]'``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -46,6 +47,7 @@ from ._select import parse
 from ._transform import BATCH_REPLY_LIMIT, _canonical
 from ._wire import ProtocolError
 from .backends.base import Backend
+from .capabilities.files.mount import format_mount
 
 __all__ = ["FuzzFailure", "FuzzReport", "GuestFunction", "fuzz", "guest_function",
            "read_example", "replay", "settings_profiles", "strategy_for"]
@@ -499,9 +501,12 @@ def _replay(code: str, entry: str, failure: _Finding, path: str | None,
     example = replay_dir / f"{entry}-{failure.kind}.txt"
     # A Python literal tuple, as --replay takes it; ascii() keeps the file plain text.
     example.write_text(ascii(failure.example) + "\n", encoding="ascii")
-    # The mounts the code imports its own modules from (a scratch mount has no host side).
-    granted = [f"{mount.host_path}:{mount.guest_path}{':rw' if mount.writable else ''}"
-               for mount in mounts if mount.host_path is not None]
+    # The mounts the code imports its own modules from (a scratch mount has no host side;
+    # one whose path holds ':' has no --mount form, and the line then goes without it).
+    granted = []
+    for mount in mounts:
+        with contextlib.suppress(UsageError):
+            granted.append(format_mount(mount))
     command = ["wasibox", "fuzz", path, "--entry", entry,
                *(part for text in granted for part in ("--mount", text)), *package_flags,
                "--replay-file", str(example)]

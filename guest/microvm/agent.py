@@ -391,6 +391,16 @@ def _receive_mounts(channel, specs):
     return (None, fault) if fault is not None else (mounts, None)
 
 
+def _collect(mounts, channel):
+    """Report the writable mounts' state to the host; None, or the fault if that failed."""
+    try:
+        mounts.collect(channel.send)
+    except Exception as exc:
+        return {"type": "OSError", "traceback": "",
+                "message": f"the VM could not read back the run's mounts: {exc}"}
+    return None
+
+
 def _succeeded(reply):
     """True if the child's reply says the job ended well (so its writes count)."""
     try:
@@ -420,12 +430,14 @@ def _peak_memory(pid):
 
 
 class _Live:
-    """The child of a session between its calls: its process and the agent's pipe ends."""
+    """The child of a session between its calls: its process, the agent's pipe ends, and
+    the session's mounts (None without mounts)."""
 
-    def __init__(self, pid, pidfd, out_r, err_r, reply_r, call_r, result_w, job_w):
+    def __init__(self, pid, pidfd, out_r, err_r, reply_r, call_r, result_w, job_w, mounts):
         self.pid, self.pidfd = pid, pidfd
         self.out_r, self.err_r, self.reply_r, self.call_r = out_r, err_r, reply_r, call_r
         self.result_w, self.job_w = result_w, job_w
+        self.mounts = mounts
 
 
 def serve(channel, request, live=None):
@@ -471,7 +483,8 @@ def serve(channel, request, live=None):
         for fd in (out_w, err_w, reply_w, call_w, result_r, job_r):
             if fd is not None:
                 os.close(fd)
-        live = _Live(pid, os.pidfd_open(pid), out_r, err_r, reply_r, call_r, result_w, job_w)
+        live = _Live(pid, os.pidfd_open(pid), out_r, err_r, reply_r, call_r, result_w, job_w,
+                     mounts)
     else:
         frame = msgpack.packb(job, use_bin_type=True)
         view = memoryview(struct.pack(">I", len(frame)) + frame)
@@ -592,9 +605,14 @@ def serve(channel, request, live=None):
         fault = {"type": "ProtocolError", "traceback": "",
                  "message": "the guest's reply is larger than the host accepts"}
     if session and child_running and fault is None and limit is None:
-        # The call is over and the child lives on, waiting for the session's next job.
+        # The call is over and the child lives on, waiting for the session's next job. The
+        # host's staging mirrors the session's writable mounts after every call, whatever
+        # the call's own outcome, as a wasm session's staging holds its writes as they are
+        # made; what of it is published is decided when the session ends.
+        if live.mounts is not None:
+            fault = _collect(live.mounts, channel)
         channel.send({"kind": "done", "reply": bytes(reply[4:]).decode("ascii", "replace"),
-                      "exit_code": None, "limit": None, "fault": None,
+                      "exit_code": None, "limit": None, "fault": fault,
                       "cpu_s": _cpu_seconds(pid) - cpu_before,
                       "memory_peak_bytes": _peak_memory(pid), "truncated": []})
         return live
@@ -618,11 +636,7 @@ def serve(channel, request, live=None):
     if mounts is not None and limit is None and fault is None and _succeeded(reply):
         # The job ended well: report its writable mounts (the host publishes them only if
         # it agrees). Nothing of the job runs any more, so nothing changes under the walk.
-        try:
-            mounts.collect(channel.send)
-        except Exception as exc:
-            fault = {"type": "OSError", "traceback": "",
-                     "message": f"the VM could not read back the run's mounts: {exc}"}
+        fault = _collect(mounts, channel)
     channel.send({
         "kind": "done",
         "reply": reply.decode("ascii", "replace") if reply and limit is None else None,

@@ -19,7 +19,9 @@ would see them:
 
 After the job, :meth:`Mounts.collect` walks each writable mount without following anything
 and reports its final state to the host, which applies it to the run's staging directory
-and publishes it with the wasm backend's own code. The host trusts none of it.
+and publishes it with the wasm backend's own code. The host trusts none of it. In a
+session it reports after every call, each time sending only the files changed since its
+last report.
 
 Entries, host to guest (one ``files`` frame holds several; ``rel`` is "/"-joined)::
 
@@ -36,12 +38,17 @@ Guest to host::
     ["x", rel, reason]                             an entry that must not be published
     ["q", what, used, cap]                         over the quota: nothing is published
 
-This file never imports the host package.
+This file never imports the host package; the one host module it shares, dependency-free,
+is packed into the image beside it (``wasibox_refusals``).
 """
 
 import ctypes
 import os
 import stat
+
+# Packed beside this file from the host's wasibox/capabilities/files/refusals.py: the
+# deepest nesting reported and the refusal reasons are the host's own.
+from wasibox_refusals import MAX_DEPTH, refusal
 
 __all__ = ["Mounts"]
 
@@ -51,8 +58,6 @@ MNT_DETACH = 2
 NOBODY = 65534
 #: Where the job's root is built (inside the VM's /run tmpfs).
 ROOT = "/run/wasibox/root"
-#: Directory levels below a mount that are reported (the wasm backend's MAX_DEPTH).
-MAX_DEPTH = 32
 #: Data in one frame to the host, and entries in one frame (the host accepts 1024).
 FRAME_DATA = 1 << 20
 FRAME_ENTRIES = 512
@@ -70,18 +75,6 @@ def _mount(source, target, fstype, flags, data=None):
                    flags, data and data.encode()) != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"mount {target}: {os.strerror(number)}")
-
-
-def _refusal(mode):
-    if stat.S_ISLNK(mode):
-        return "symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "not a regular file or directory"
 
 
 class Mounts:
@@ -272,6 +265,7 @@ class Mounts:
         where = self._where(index)
         baseline = self._baseline.get(index, {})
         plan = []
+        held = {}  # what the host's staging holds once this report is applied
         total_bytes = 0
         walked = list(self._walk(where))
         # A hard link the job made (the wasm guest cannot make one) is published under one
@@ -296,7 +290,7 @@ class Mounts:
                 plan.append(["d", rel] if depth <= MAX_DEPTH else
                             ["x", rel, "nested too deep"])
             elif not stat.S_ISREG(mode):
-                plan.append(["x", rel, _refusal(mode)])
+                plan.append(["x", rel, refusal(mode)])
             else:
                 if st.st_nlink > 1 and primary.get(st.st_ino) != rel:
                     plan.append(["x", rel, "hard link"])
@@ -309,6 +303,7 @@ class Mounts:
                 else:
                     same = before == now
                 plan.append(["k", rel] if same else ["f", rel, stat.S_IMODE(mode)])
+                held[rel] = now
                 total_bytes += st.st_size
         entries_used = sum(1 for item in plan if item[0] in "dkf")
         if total_bytes > spec["cap_bytes"]:
@@ -336,6 +331,9 @@ class Mounts:
                 batch, size = [], 0
         if batch:
             send({"kind": "files", "mount": index, "entries": batch})
+        # A session reports again after its next call: only what changed since this report
+        # is sent then (a file changed while it was read here changes its ctime, so it is).
+        self._baseline[index] = held
 
     @staticmethod
     def _chunks(path):

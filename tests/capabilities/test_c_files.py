@@ -3,6 +3,7 @@ Python view: confinement, quotas at publish, and publishing only when the run en
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -161,3 +162,38 @@ def test_without_c_access_c_code_sees_no_mount(tmp_path: Path) -> None:
                              "except sqlite3.OperationalError as exc:\n    print(exc)")
     assert result.stdout == "unable to open database file\n"
     assert not (tmp_path / "x.db").exists()
+
+
+def test_wasibox_run_gives_c_code_a_mount_written_rw_c_access(tmp_path: Path) -> None:
+    from tests.test_cli import wasibox_cli
+
+    out, script = tmp_path / "out", tmp_path / "orders.py"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    script.write_text(CREATE + "import os\nprint(sorted(os.listdir('/tmp')))\n")
+    done = wasibox_cli("run", "--mount", f"{out}:/out:rw,c_access", "--scratch", "/tmp:c_access",
+                       "--json", str(script))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["stdout"] == "(2, 1.25)\nkept True\n[]\n"
+    assert [record["path"] for record in result["files"]] == ["/out/shop.db"]
+    with sqlite3.connect(out / "shop.db") as db:
+        assert db.execute("select name from items order by price").fetchall() == [
+            ("apple",), ("pear",)]
+    # The same run without c_access: C code sees no mount, and nothing is published.
+    (out / "shop.db").unlink()
+    plain = wasibox_cli("run", "--mount", f"{out}:/out:rw", "--json", str(script))
+    assert json.loads(plain.stdout)["error"]["message"] == "unable to open database file"
+    assert not (out / "shop.db").exists() and (out / "notes.txt").read_text() == "kept"
+
+
+def test_wasibox_run_refuses_c_access_on_a_read_only_mount(tmp_path: Path) -> None:
+    from tests.test_cli import wasibox_cli
+
+    for text in (f"{tmp_path}:/out:c_access", f"{tmp_path}:/out:ro,c_access"):
+        done = wasibox_cli("run", "--mount", text, "-c", "pass")
+        assert done.returncode == 2
+        assert "c_access needs a writable mount" in done.stderr
+        assert f"write {tmp_path}:/out:rw,c_access" in done.stderr
+    bad = wasibox_cli("run", "--scratch", "/tmp:rw", "-c", "pass")
+    assert bad.returncode == 2 and "--scratch takes GUEST or GUEST:c_access" in bad.stderr

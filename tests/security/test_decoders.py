@@ -40,7 +40,7 @@ from wasibox._wire import (
     max_elements,
     unpack,
 )
-from wasibox.backends.microvm.backend import MAX_FRAME_ELEMENTS, Channel
+from wasibox.backends.microvm.channel import MAX_FRAME_ELEMENTS, Channel
 from wasibox.capabilities.hostcall import HostCalls, StopRun
 
 pytestmark = pytest.mark.guest

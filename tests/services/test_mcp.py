@@ -742,6 +742,53 @@ def test_run_python_keeps_state_until_reset_or_a_limit() -> None:
     in_process(policy, main)
 
 
+def test_a_session_call_lists_the_files_it_changed_before_they_are_published() -> None:
+    policy = agent_policy(limits={"fuel": 50_000_000, "timeout_s": 4})
+
+    async def main(client: Client) -> None:
+        async def run(code: str) -> tuple[dict[str, Any], str]:
+            result = await client.call_tool("run_python", {"code": code})
+            assert not result.is_error and result.structured_content is not None
+            return result.structured_content, text(result)
+
+        first, report = await run("open('/workspace/a.txt', 'w').write('abc')\n"
+                                  "open('/workspace/b.txt', 'w').write('1')")
+        assert first["files"] == []  # a session publishes when it ends
+        assert first["files_staged"] == [
+            {"path": "/workspace/a.txt", "size": 3, "change": "written"},
+            {"path": "/workspace/b.txt", "size": 1, "change": "written"}]
+        assert "files changed by this call" in report and "published to the workspace " \
+            "when the session ends" in report
+        assert "/workspace/a.txt (written, 3 bytes), /workspace/b.txt (written, 1 bytes)" \
+            in report
+        second, report = await run(
+            "import os\nopen('/workspace/a.txt', 'a').write('de')\n"
+            "os.remove('/workspace/b.txt')\nos.mkdir('/workspace/sub')\n"
+            "open('/workspace/sub/c.txt', 'w').close()")
+        assert second["files_staged"] == [
+            {"path": "/workspace/a.txt", "size": 5, "change": "written"},
+            {"path": "/workspace/b.txt", "size": 0, "change": "deleted"},
+            {"path": "/workspace/sub/c.txt", "size": 0, "change": "written"}]
+        assert "/workspace/b.txt (deleted)" in report
+        # Reading changes nothing; a file the write_file tool wrote is not a call's change.
+        assert not (await client.call_tool("write_file", {"path": "tool.txt",
+                                                          "content": "x"})).is_error
+        third, report = await run("print(open('/workspace/a.txt').read())")
+        assert third["stdout"] == "abcde\n" and third["files_staged"] == []
+        assert "files changed" not in report
+        # A call that ends the session publishes its files, and its result lists them.
+        stopped, report = await run("open('/workspace/late.txt', 'w').write('z')\n"
+                                    "while True: pass")
+        assert stopped["limit"] == "fuel" and stopped["files_staged"] == []
+        assert sorted(f["path"] for f in stopped["files"]) == [
+            "/workspace/a.txt", "/workspace/late.txt", "/workspace/sub/c.txt",
+            "/workspace/tool.txt"]
+        assert any("were published" in note for note in stopped["notes"])
+        assert text(await client.call_tool("read_file", {"path": "late.txt"})) == "z"
+
+    in_process(policy, main)
+
+
 def test_sessions_can_be_turned_off() -> None:
     async def main(client: Client) -> None:
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}

@@ -3,6 +3,7 @@ loopback."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -161,3 +162,37 @@ def test_sessions_need_a_token(server: Server) -> None:
     with server.client() as anonymous:
         assert anonymous.post("/v1/sessions").status_code == 401
         assert anonymous.post("/v1/sessions/x/run", json={"code": "pass"}).status_code == 401
+
+
+def open_sessions(client: httpx.Client, tenant: str) -> float:
+    """The ``wasibox_open_sessions`` gauge of ``tenant``, as /metrics reports it."""
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200
+    found = re.findall(rf'^wasibox_open_sessions{{tenant="{tenant}"}} (\S+)$', metrics.text,
+                       flags=re.MULTILINE)
+    assert len(found) == 1, metrics.text
+    return float(found[0])
+
+
+def test_metrics_count_the_open_sessions_per_tenant(server: Server) -> None:
+    with server.client("keeper") as keeper, server.client("brief") as brief:
+        before = open_sessions(keeper, "keeper")
+        first, second = open_session(keeper), open_session(keeper)
+        assert open_sessions(keeper, "keeper") == before + 2
+        # A session ended by a limit is no longer open, though its id still answers 410.
+        stopped = keeper.post(f"/v1/sessions/{first}/run", json={
+            "code": "while True: pass", "limits": {"fuel": 10_000_000}})
+        assert stopped.json()["session_ended"] == "limit"
+        assert open_sessions(keeper, "keeper") == before + 1
+        assert keeper.delete(f"/v1/sessions/{second}").status_code == 204
+        assert open_sessions(keeper, "keeper") == before
+        keeper.delete(f"/v1/sessions/{first}")
+        # One that expires idle stops counting without any request to it.
+        idle = open_session(brief)
+        assert open_sessions(brief, "brief") == 1
+        deadline = time.monotonic() + 30
+        while open_sessions(brief, "brief") != 0:
+            assert time.monotonic() < deadline, "the idle session never stopped counting"
+            time.sleep(0.1)
+        assert open_sessions(brief, "stateless") == 0  # sessions off: always none
+        brief.delete(f"/v1/sessions/{idle}")

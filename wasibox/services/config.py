@@ -335,7 +335,7 @@ class TenantConfig(_Strict):
     def _vm_memory(self) -> TenantConfig:
         # A tenant that runs only in the microVM with less memory than a VM needs could
         # never run anything: refuse the file rather than fail every run.
-        from ..backends.microvm.backend import MIN_MEMORY_BYTES
+        from ..backends.microvm.runtime import MIN_MEMORY_BYTES
 
         memory = self.limits.to_limits().memory_bytes
         if self.backend == "microvm" and memory < MIN_MEMORY_BYTES:
@@ -348,7 +348,7 @@ class TenantConfig(_Strict):
     def warnings(self, tenant: str) -> list[str]:
         """What the operator should know at start-up: a policy that defeats part of itself
         on this machine (the file is valid, so these do not refuse it)."""
-        from ..backends.microvm.backend import MIN_MEMORY_BYTES, microvm_available
+        from ..backends.microvm.runtime import MIN_MEMORY_BYTES, microvm_available
 
         memory = self.limits.to_limits().memory_bytes
         if self.backend == "auto" and memory < MIN_MEMORY_BYTES and microvm_available():

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -349,8 +349,10 @@ def _limit_words(result: RunResult, limits: Limits) -> str:
             return f"the run hit its {other} limit {after}"
 
 
-def describe_result(result: RunResult, limits: Limits, notes: list[str]) -> str:
-    """The plain-text report of a run that a model reads."""
+def describe_result(result: RunResult, limits: Limits, notes: list[str],
+                    staged: list[dict[str, Any]] | None = None) -> str:
+    """The plain-text report of a run that a model reads; ``staged`` lists what a session
+    call changed under /workspace, not yet published (see ``staged_changes``)."""
     lines: list[str] = []
     if result.ok:
         lines.append("status: ok")
@@ -378,6 +380,13 @@ def describe_result(result: RunResult, limits: Limits, notes: list[str]) -> str:
         lines.append(f"denied: {event.capability} {event.action} {event.target}")
     if result.files:
         lines.append("files written: " + ", ".join(f.path for f in result.files))
+    if staged:
+        lines.append("files changed by this call (kept in this session's view of "
+                     "/workspace, which read_file and list_files already see; published to "
+                     "the workspace when the session ends): " + ", ".join(
+                         f"{change['path']} ({change['change']}"
+                         + (f", {change['size']} bytes)" if change["change"] == "written"
+                            else ")") for change in staged))
     lines.append(f"fuel used: {result.fuel_used}; duration: {result.duration_s:.3f} s; "
                  f"backend: {result.backend}")
     return "\n".join(lines)
@@ -397,16 +406,23 @@ class RunReport(BaseModel):
     files: list[dict[str, Any]] = Field(
         description="files written under /workspace and other writable mounts: path, size, "
                     "sha256")
+    files_staged: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="in a session: the files this call wrote or deleted under /workspace, "
+                    "not published yet (read_file and list_files see them; they are "
+                    "published when the session ends): path, size, change (written or "
+                    "deleted)")
     exit_code: int
     duration_s: float
     backend: str
     notes: list[str]
 
 
-def structured_result(result: RunResult, notes: list[str]) -> dict[str, Any]:
+def structured_result(result: RunResult, notes: list[str],
+                      staged: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ``structured_content`` of a run_python result (see ``RunReport``), built from the
     one JSON form of a result (``RunResult.to_dict``), with the text clipped as in the text
-    report."""
+    report; ``staged`` as for ``describe_result``."""
     data = result.to_dict()
     status: Literal["ok", "error", "exit", "limit"]
     if data["ok"]:
@@ -424,7 +440,8 @@ def structured_result(result: RunResult, notes: list[str]) -> dict[str, Any]:
         status=status, stdout=_clip(data["stdout"]), stderr=_clip(data["stderr"]),
         error=error, limit=data["limit_exceeded"], fuel=data["fuel_used"],
         files=data["files"], exit_code=data["exit_code"], duration_s=data["duration_s"],
-        backend=data["backend"], notes=list(notes)).model_dump()
+        backend=data["backend"], notes=list(notes), files_staged=list(staged or ())
+    ).model_dump()
 
 
 #: Python API in wasibox's messages, and the configuration key the operator sets instead.
@@ -532,21 +549,59 @@ def _read(root: Path, path: str) -> str:
         raise UsageError(f"{path!r} is not UTF-8 text; inspect it with run_python") from None
 
 
-def _list(root: Path) -> str:
-    entries: list[str] = []
+def _workspace_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Each file below ``root`` (a workspace, or a session's view of it), in order, with its
+    ``lstat``: at most LIST_LIMIT + 1 of them, so that a caller can say the walk stopped.
+    Paths are relative, as valid UTF-8 text (bytes that are not shown as escapes); no
+    symbolic link is followed, and wasibox's staging directories are left out."""
+    count = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != STAGING_DIR)
         for name in sorted(filenames):
             full = Path(dirpath) / name
             try:
-                size = full.lstat().st_size
+                info = full.lstat()
             except OSError:
                 continue
-            entries.append(f"{full.relative_to(root).as_posix()} ({size} bytes)")
-            if len(entries) >= LIST_LIMIT:
-                entries.append(f"[... listing stopped at {LIST_LIMIT} files ...]")
-                return "\n".join(entries)
+            relative = full.relative_to(root).as_posix()
+            yield relative.encode("utf-8", "backslashreplace").decode("utf-8"), info
+            count += 1
+            if count > LIST_LIMIT:
+                return
+
+
+def _list(root: Path) -> str:
+    entries: list[str] = []
+    for path, info in _workspace_files(root):
+        if len(entries) >= LIST_LIMIT:
+            entries.append(f"[... listing stopped at {LIST_LIMIT} files ...]")
+            break
+        entries.append(f"{path} ({info.st_size} bytes)")
     return "\n".join(entries) if entries else "(the workspace is empty)"
+
+
+#: A file of a session's view as seen before and after a call: (inode, size, mtime in ns).
+_FileState = tuple[int, int, int]
+
+
+def _view_state(view: Path | None) -> dict[str, _FileState]:
+    """What each file of a live session's view of /workspace is now (nothing without one);
+    the first LIST_LIMIT + 1 files only, as list_files shows them."""
+    if view is None:
+        return {}
+    return {path: (info.st_ino, info.st_size, info.st_mtime_ns)
+            for path, info in _workspace_files(view)}
+
+
+def staged_changes(before: dict[str, _FileState],
+                   after: dict[str, _FileState]) -> list[dict[str, Any]]:
+    """The files a session call wrote or deleted under /workspace, from the states of its
+    view before and after the call: path, size and change ("written" or "deleted")."""
+    written = [{"path": f"{WORKSPACE}/{path}", "size": state[1], "change": "written"}
+               for path, state in after.items() if before.get(path) != state]
+    deleted = [{"path": f"{WORKSPACE}/{path}", "size": 0, "change": "deleted"}
+               for path in before if path not in after]
+    return sorted(written + deleted, key=lambda change: str(change["path"]))
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -576,7 +631,8 @@ from earlier calls are still there, so build on them step by step. Call the rese
 a fresh interpreter. A call that exceeds a limit (CPU, time, memory, output) ends the \
 interpreter: the result says so, and the next call starts fresh (so does a session left idle \
 for {idle:g} s). Files persist too: the session's workspace is mounted at /workspace (use \
-absolute paths such as /workspace/out.csv); read_file and list_files see what code wrote there.
+absolute paths such as /workspace/out.csv); read_file and list_files see what code wrote there, \
+and each result lists the files the call wrote or deleted.
 
 The sandbox has the standard library only (no pip installs), no network except the hosts the \
 operator allowed (others fail with an error), and limits on CPU (fuel), memory, wall-clock time \
@@ -746,12 +802,16 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
         sessions are on), sending progress while it runs; ``program`` holds the run's
         stdin, argv and env."""
         session: Session | None = None
+        before: dict[str, _FileState] = {}
         try:
             if sessions_on and key is not None:
                 live, note = await asyncio.to_thread(pool.get, key, root)
                 if note is not None:
                     notes.append(note)
                 session, sandbox = live, live._sandbox
+                # A session publishes its files when it ends: tell the model which files
+                # this call changed by comparing the session's view before and after it.
+                before = await asyncio.to_thread(_view_state, pool.view(key))
                 narrow = {"timeout_s": timeout} if timeout < policy.limits.timeout_s else None
                 call = live.arun(code, limits=narrow, **program)
             else:
@@ -783,12 +843,20 @@ def create_mcp_server(policy: McpPolicy, store: WorkspaceStore, *,
             if session is None:
                 sandbox.close()
         limits = sandbox.limits.narrow({"timeout_s": timeout})
+        staged: list[dict[str, Any]] = []
         if session is not None and session.ended is not None:
             notes.append("this call ended the Python session: its variables are gone, and "
-                         "the next run_python starts a fresh interpreter")
+                         "the next run_python starts a fresh interpreter; the files it had "
+                         "written to /workspace were published (files)")
+            result = dataclasses.replace(result, files=list(session.files),
+                                         files_refused=list(session.files_refused))
+        elif session is not None:
+            after = await asyncio.to_thread(_view_state, pool.view(key))
+            staged = staged_changes(before, after)
         return CallToolResult(
-            content=[TextContent(type="text", text=describe_result(result, limits, notes))],
-            structured_content=structured_result(result, notes))
+            content=[TextContent(type="text",
+                                 text=describe_result(result, limits, notes, staged))],
+            structured_content=structured_result(result, notes, staged))
 
     @server.tool(description=(RUN_PYTHON_SESSION_DESCRIPTION.format(
         idle=policy.config.sessions.idle_timeout_s) if sessions_on else RUN_PYTHON_DESCRIPTION))

@@ -266,6 +266,12 @@ class _Tenant:
             self.sessions[key] = session
             return key, session
 
+    def open_sessions(self) -> int:
+        """Sessions of this tenant still live: one ended by a limit or an expiry holds no
+        guest, though its id answers 410 until the next open or delete forgets it."""
+        with self.sessions_lock:
+            return sum(1 for session in self.sessions.values() if session.ended is None)
+
     def find_session(self, key: str) -> Session | None:
         with self.sessions_lock:
             return self.sessions.get(key)
@@ -331,12 +337,16 @@ class _Metrics:
             "wasibox_pool_size", "Pre-made guest instances ready in the warm pool", registry=r)
         self.pool_target = prometheus_client.Gauge(
             "wasibox_pool_target_size", "Instances the warm pool keeps ready", registry=r)
+        self.sessions = prometheus_client.Gauge(
+            "wasibox_open_sessions", "Sessions open (live, not yet ended), by tenant",
+            ["tenant"], registry=r)
 
     def render(self, tenants: dict[str, _Tenant]) -> bytes:
         for tenant in tenants.values():
             runner = tenant.sandbox._runner
             self.queue.labels(tenant.name).set(runner.queued)
             self.active.labels(tenant.name).set(runner.active)
+            self.sessions.labels(tenant.name).set(tenant.open_sessions())
         from ..backends.wasm import runtime
 
         ready, target = runtime().pool_status()
@@ -594,7 +604,8 @@ def create_app(config: Config, *, on_ready: Callable[[], None] | None = None) ->
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics_endpoint() -> Response:
-        """Runs by outcome, limits exceeded, latency histogram, pool size, queue depth."""
+        """Runs by outcome, limits exceeded, latency histogram, pool size, queue depth,
+        open sessions."""
         return Response(metrics.render(tenants),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
 

@@ -22,8 +22,9 @@ import pytest
 import wasibox
 from tests.conftest import PYTHON, child_env
 from wasibox import Limit, Limits, UsageError
-from wasibox.backends.microvm.backend import MicroVMBackend, MicroVMRuntime, microvm_runtime
+from wasibox.backends.microvm.backend import MicroVMBackend
 from wasibox.backends.microvm.image import cached_image_state
+from wasibox.backends.microvm.runtime import MicroVMRuntime, microvm_runtime
 
 pytestmark = pytest.mark.microvm
 

@@ -3,17 +3,21 @@
 No VM here: the frames a guest agent would send are written by hand (the honest ones as the
 agent writes them, the hostile ones as a guest that owns the VM's kernel could), and applied
 to a real ``FileSession`` on real directories. The end-to-end runs are in
-``tests/backends/microvm/test_mounts.py``.
+``tests/backends/microvm/test_mounts.py`` and ``test_session.py``.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.backends.microvm.host_tree import host_view
 from wasibox import Mount, UsageError
 from wasibox.backends.microvm.files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
 from wasibox.capabilities.files.mount import STAGING_DIR
@@ -24,6 +28,10 @@ MEMORY = 256 * 2**20
 
 @pytest.fixture()
 def tree(tmp_path: Path) -> dict[str, Path]:
+    return make_tree(tmp_path)
+
+
+def make_tree(tmp_path: Path) -> dict[str, Path]:
     data, out, outside = tmp_path / "data", tmp_path / "out", tmp_path / "outside"
     for directory in (data / "sub", out / "keep", outside):
         directory.mkdir(parents=True)
@@ -57,21 +65,6 @@ def entries_sent(copy_in: CopyIn) -> dict[int, list[list[Any]]]:
 
 def files(frame_entries: list[list[Any]], index: int = 1) -> dict[str, Any]:
     return {"kind": "files", "mount": index, "entries": frame_entries}
-
-
-def host_view(root: Path) -> dict[str, str]:
-    found = {}
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root).as_posix()
-        if relative.startswith(STAGING_DIR):
-            continue
-        if path.is_symlink():
-            found[relative] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            found[relative] = "/"
-        else:
-            found[relative] = path.read_text()
-    return found
 
 
 def test_the_copy_in_is_the_wasm_guests_view(tree: dict[str, Path]) -> None:
@@ -200,6 +193,9 @@ def test_the_staging_directory_is_a_reserved_name(tree: dict[str, Path]) -> None
     [["f", "a", 0o644, b"x" * 300, True], ["f", "b", 0o644, b"x" * 300, True]],
     [["d", f"d{i}"] for i in range(5)],
     [["q", "bytes", 10**9, 1000]],
+    # Refusals are entries too: a guest naming endless ones must not grow the host's list.
+    [["x", f"fifo{i}", "a FIFO"] for i in range(5)],
+    [["f", "a", 0o644, b"x", True], ["d", "b"], *[["x", f"p{i}"] for i in range(3)]],
 ])
 def test_over_the_quota_fails_the_run(tree: dict[str, Path],
                                       entries: list[list[Any]]) -> None:
@@ -246,3 +242,49 @@ def test_a_file_left_half_sent_breaks_the_protocol_at_the_end(tree: dict[str, Pa
         with pytest.raises(ValueError):
             copy_out.finish()
         copy_out.close()
+
+
+#: What a session's writable mount may hold after a call: files (by path) and their text.
+_STATES = st.dictionaries(st.sampled_from(["a.txt", "same.txt", "keep/inner.txt", "d/c.txt",
+                                           "d/e/f.txt", "g.txt"]),
+                          st.sampled_from(["same", "inner", "one", "two", ""]), max_size=6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(_STATES, st.booleans()), min_size=1, max_size=4))
+def test_a_sessions_accounts_leave_the_staging_as_the_last_one_says(
+        accounts: list[tuple[dict[str, str], bool]]) -> None:
+    """A microVM session's agent reports its writable mounts after every call, sending only
+    what changed since its last report; whatever came before, the staging (and what is then
+    published, with its refusals once each) is the state the last account describes."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = make_tree(Path(scratch))
+        with session(tree) as files_session:
+            copy_in = CopyIn(files_session, MEMORY)
+            entries_sent(copy_in)
+            held = {"same.txt": "same", "change.txt": "old", "gone.txt": "bye",
+                    "keep/inner.txt": "inner"}
+            refused: list[Any] = []
+            for state, link in accounts:
+                entries: list[list[Any]] = []
+                directories = sorted({"/".join(path.split("/")[:depth]) for path in state
+                                      for depth in range(1, path.count("/") + 1)})
+                entries += [["d", directory] for directory in directories]
+                for path, text in sorted(state.items()):
+                    entries.append(["k", path] if held.get(path) == text else
+                                   ["f", path, 0o644, text.encode(), True])
+                if link:
+                    entries.append(["x", "link", "symbolic link"])
+                copy_out = CopyOut(files_session, copy_in)
+                copy_out.apply(files(entries))
+                copy_out.finish()
+                copy_out.close()
+                files_session.withdraw(refused)  # as the session does after each account
+                refused, held = copy_out.refused, dict(state)
+                expected = {**state, **dict.fromkeys(directories, "/")}
+                assert host_view(files_session.trees["/out"]) == expected
+            records, refusals = files_session.publish()
+        assert host_view(tree["out"]) == {**expected, "hostlink": "-> " + str(tree["outside"])}
+        assert [(item.path, item.reason) for item in refusals] == (
+            [("/out/link", "symbolic link")] if accounts[-1][1] else [])
+        assert {record.path for record in records} <= {"/out/" + path for path in state}

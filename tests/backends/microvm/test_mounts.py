@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import wasibox
+from tests.backends.microvm.host_tree import host_view
 
 # vm_runtime: the session's VM runtime (it skips only where QEMU or the image is missing).
 from tests.backends.microvm.test_backend import VM_LIMITS, _no_orphans, vm_runtime  # noqa: F401
@@ -51,23 +52,6 @@ def sandbox(tree: dict[str, Path], limits: wasibox.Limits = VM_LIMITS, backend: 
               Mount.scratch("/scratch")]
     return wasibox.Sandbox(limits, backend=backend, allow_emulation=True,  # type: ignore[arg-type]
                            mounts=mounts, requires=["numpy"] if backend == "auto" else ())
-
-
-def host_view(root: Path) -> dict[str, str]:
-    found = {}
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root).as_posix()
-        if relative.startswith(STAGING_DIR):
-            continue
-        if path.is_symlink():
-            found[relative] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            found[relative] = "/"
-        else:
-            data = path.read_bytes()
-            found[relative] = data.decode() if relative.endswith(".txt") \
-                else hashlib.sha256(data).hexdigest()
-    return found
 
 
 def staging_left(tree: dict[str, Path]) -> list[str]:

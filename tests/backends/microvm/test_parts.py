@@ -1,11 +1,17 @@
 """The microVM backend's host-side logic, without booting a VM: backend choice, image
-pieces, the channel's framing and the console ring."""
+pieces (and the file agent's one shared host module), the channel's framing and the console
+ring."""
 
 from __future__ import annotations
 
 import lzma
+import shutil
 import socket
+import stat
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -14,14 +20,18 @@ from hypothesis import strategies as st
 
 from wasibox import UsageError
 from wasibox._select import WASM_MODULES, imported_modules, needs_microvm
-from wasibox.backends.microvm.backend import (
-    MAX_FRAME_BYTES,
-    Channel,
-    ConsoleRing,
-    MicroVMBackend,
-    emulation_allowed,
+from wasibox.backends.microvm.backend import MicroVMBackend
+from wasibox.backends.microvm.channel import MAX_FRAME_BYTES, Channel, ConsoleRing
+from wasibox.backends.microvm.image import (
+    ImageConfig,
+    _initramfs_inputs,
+    extract_vmlinux,
+    write_cpio,
 )
-from wasibox.backends.microvm.image import ImageConfig, extract_vmlinux, write_cpio
+from wasibox.backends.microvm.runtime import emulation_allowed
+from wasibox.capabilities.files import refusals
+from wasibox.capabilities.files.mount import MAX_DEPTH
+from wasibox.capabilities.files.refusals import refusal
 
 VM_MODULES = frozenset({"numpy", "pandas", "msgpack", "json", "ctypes"})
 
@@ -89,6 +99,36 @@ def test_cpio_is_deterministic_newc(tmp_path) -> None:  # type: ignore[no-untype
     assert data.startswith(b"070701")
     assert b"init\0" in data and b"#!/bin/sh\n" in data and b"TRAILER!!!" in data
     assert len(data) % 4 == 0
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None,
+                    reason="busybox is missing (the initramfs packs it): install busybox-static")
+def test_the_vm_file_agent_imports_with_only_what_the_image_packs(tmp_path: Path) -> None:
+    (tmp_path / "modules").mkdir()
+    packed = {path: data for path, _, data in _initramfs_inputs(tmp_path)}
+    shared = Path(refusals.__file__).read_bytes()
+    assert packed["wasibox_refusals.py"] == shared  # the host's module, byte for byte
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("wasibox_vm_files.py", "wasibox_refusals.py"):
+        (root / name).write_bytes(packed[name])
+    # -I -S: no site-packages and no wasibox on the path, as in the VM's initramfs.
+    probe = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         "import sys, stat; sys.path.insert(0, sys.argv[1]); import wasibox_vm_files as f; "
+         "print(f.MAX_DEPTH, f.refusal(stat.S_IFIFO), f.refusal(stat.S_IFLNK))", str(root)],
+        capture_output=True, text=True, check=False)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split(" ", 1) == [str(MAX_DEPTH), "FIFO symbolic link\n"]
+
+
+@given(st.sampled_from([stat.S_IFLNK, stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK,
+                        stat.S_IFDOOR, stat.S_IFWHT, 0o170000]),
+       st.integers(0, 0o7777))
+def test_every_file_type_that_is_not_published_has_its_reason(kind: int, mode: int) -> None:
+    expected = {stat.S_IFLNK: "symbolic link", stat.S_IFIFO: "FIFO", stat.S_IFCHR: "device",
+                stat.S_IFBLK: "device", stat.S_IFSOCK: "socket"}
+    assert refusal(kind | mode) == expected.get(kind, "not a regular file or directory")
 
 
 def test_vmlinux_is_found_inside_a_bzimage() -> None:

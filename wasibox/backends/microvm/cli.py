@@ -40,8 +40,8 @@ def add_microvm_command(commands: Any) -> None:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from ..._progress import stderr_reporter
-    from .backend import MIN_MEMORY_BYTES, MicroVMRuntime, default_memory_mib
     from .image import ImageConfig, ensure_image
+    from .runtime import MIN_MEMORY_BYTES, MicroVMRuntime, default_memory_mib
 
     report = stderr_reporter(min_interval_s=2.0)
     config = ImageConfig.from_environment(args.package)
@@ -61,8 +61,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 def doctor_rows() -> list[tuple[str, str]]:
     """What ``wasibox doctor`` says about the microVM backend (never builds anything)."""
-    from .backend import ALLOW_EMULATION_ENV, cached_accelerator, emulation_allowed
     from .image import cached_image_state, missing_tools
+    from .runtime import ALLOW_EMULATION_ENV, cached_accelerator, emulation_allowed
 
     qemu = shutil.which("qemu-system-x86_64")
     jail = shutil.which("bwrap")

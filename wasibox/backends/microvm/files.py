@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._errors import UsageError
+from ..._result import RefusedFile
 from ...capabilities.files.mount import MAX_DEPTH, STAGING_DIR, Mount
 from ...capabilities.files.session import MAX_NAME, MAX_PATH, FileSession, encodable
 from ...capabilities.files.staging import QuotaExceeded
@@ -307,6 +308,8 @@ class _Target:
     #: Paths the guest reported, and those plus their parents (what it still holds).
     reported: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
     mentioned: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
+    #: The kind of each file and directory the staging holds once this account is applied.
+    held: dict[tuple[str, ...], str] = dataclasses.field(default_factory=dict)
     bytes: int = 0
     files: int = 0
 
@@ -330,6 +333,8 @@ class CopyOut:
                 self.targets[index] = _Target(view, view.root_fd, cap_bytes, cap_files)
         self._writing: _Writing | None = None
         self._writing_mount = -1
+        #: What this account refused (a session withdraws it when the next one comes).
+        self.refused: list[RefusedFile] = []
 
     def apply(self, frame: dict[str, Any]) -> None:
         index, entries = frame.get("mount"), frame.get("entries")
@@ -356,21 +361,23 @@ class CopyOut:
             raise ValueError("a file ended without its last chunk")
         if parts[0] == STAGING_DIR:
             if len(parts) == 1:
-                self.session.refuse(_guest(target, parts), "reserved name")
+                self._refuse(target, parts, "reserved name")
             return
         for depth in range(1, len(parts)):
             target.mentioned.add(parts[:depth])
         if kind == "x":
             reason = entry[2] if len(entry) > 2 and isinstance(entry[2], str) else "refused"
-            self.session.refuse(_guest(target, parts), reason[:200])
+            self._refuse(target, parts, reason[:200])
             return
         if kind == "d":
             self._count(target, parts)
             self._directory(target, parts)
+            target.held[parts] = "d"
         elif kind == "k":
             self._count(target, parts)
             if target.view.sent.get(parts) == "f":
                 self._charge(target, self._size(target, parts))
+                target.held[parts] = "f"
         elif kind == "f":
             if len(entry) != 5 or type(entry[2]) is not int or not isinstance(
                     entry[3], bytes) or not isinstance(entry[4], bool):
@@ -389,6 +396,7 @@ class CopyOut:
                     os.close(parent)
                     raise
                 self._writing_mount = index
+                target.held[parts] = "f"
             self._charge(target, len(entry[3]))
             self._writing.write(entry[3])
             if entry[4]:
@@ -401,11 +409,22 @@ class CopyOut:
         else:
             raise ValueError(f"an unknown files entry {kind!r}")
 
+    def _refuse(self, target: _Target, parts: tuple[str, ...], reason: str) -> None:
+        # A refused entry is still an entry of the guest's copy of the mount, and counting
+        # it against the file quota is what bounds the list: the guest names as many as it
+        # likes, and each costs host memory until the run ends.
+        self._over_files(target)
+        self.refused.append(self.session.refuse(_guest(target, parts), reason))
+
     def _count(self, target: _Target, parts: tuple[str, ...]) -> None:
         if parts in target.reported:
             raise ValueError(f"{'/'.join(parts)!r} was reported twice")
         target.reported.add(parts)
         target.mentioned.add(parts)
+        self._over_files(target)
+
+    @staticmethod
+    def _over_files(target: _Target) -> None:
         target.files += 1
         if target.files > target.cap_files:
             raise QuotaExceeded(f"the run left more than {target.cap_files} files and "
@@ -456,8 +475,9 @@ class CopyOut:
             os.close(parent)
 
     def finish(self) -> None:
-        """Remove from the staging what the guest deleted: what was copied in and not
-        reported back. Raises ValueError if a file was left half sent."""
+        """Remove from the staging what the guest deleted: what was copied in (or, in a
+        session, held after the last account) and not reported back. Raises ValueError if a
+        file was left half sent."""
         if self._writing is not None:
             raise ValueError("a file ended without its last chunk")
         for target in self.targets.values():
@@ -480,6 +500,8 @@ class CopyOut:
                     pass  # gone already, or a directory that is not empty
                 finally:
                     os.close(parent)
+            # A session's next account is taken against what the staging holds now.
+            target.view.sent = {**dict.fromkeys(target.mentioned, "d"), **target.held}
 
     def close(self) -> None:
         if self._writing is not None:

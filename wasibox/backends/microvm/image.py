@@ -8,8 +8,9 @@ An image is three files:
   with python3, numpy, pandas, msgpack and any configured extra Debian Python packages;
 * ``initramfs.cpio``: busybox-static, the kernel modules the guest needs (with everything
   they depend on, in load order), ``guest/microvm/init`` and the agent
-  ``guest/microvm/agent.py`` with its mount support ``guest/microvm/wasibox_vm_files.py``,
-  the wasm runner's job core ``guest/runner/wasibox_job.py`` and its ``host`` package.
+  ``guest/microvm/agent.py`` with its mount support ``guest/microvm/wasibox_vm_files.py``
+  (and the host's dependency-free ``capabilities/files/refusals.py`` it imports), the wasm
+  runner's job core ``guest/runner/wasibox_job.py`` and its ``host`` package.
 
 The kernel and root file system are slow to make (a minute or two) and are cached under a key
 of their recipe (suite, mirror, package list, this module's recipe version); the initramfs is
@@ -48,6 +49,7 @@ from typing import Any
 from ..._errors import GuestBuildError, UsageError
 from ..._guest import cache_dir, file_lock, file_sha256
 from ..._progress import Reporter, heartbeat, library_reporter
+from ...capabilities.files import refusals
 
 __all__ = ["BASE_PACKAGES", "REQUIRED_TOOLS", "ImageConfig", "VMImage", "cached_image_state",
            "ensure_image", "guest_microvm_sources", "image_modules", "missing_tools", "write_cpio"]
@@ -327,6 +329,8 @@ def _initramfs_inputs(base: Path) -> list[tuple[str, int, bytes]]:
     entries.append(("agent.py", regular, (sources / "agent.py").read_bytes()))
     entries.append(("wasibox_vm_files.py", regular,
                     (sources / "wasibox_vm_files.py").read_bytes()))
+    # The host's own refusal reasons and depth limit, so the VM reports what the host would.
+    entries.append(("wasibox_refusals.py", regular, Path(refusals.__file__).read_bytes()))
     # The wasm runner's job core, unchanged: the agent runs each job with the same code.
     entries.append(("wasibox_job.py", regular,
                     (sources.parent / "runner" / "wasibox_job.py").read_bytes()))

@@ -1,5 +1,6 @@
 """What a guest may be granted of the host's files: ``Mount`` (a host directory at a guest
-path, read-only or writable with quotas) and the checks on a table of mounts.
+path, read-only or writable with quotas), the checks on a table of mounts, and a mount's
+command-line form (``--mount HOST:GUEST[:rw[,c_access]]``, ``--scratch GUEST[:c_access]``).
 
 The threat the files capability mediates, and what it guarantees, open this package
 (``wasibox/capabilities/files/__init__.py``).
@@ -14,22 +15,23 @@ from pathlib import Path
 
 from ..._errors import UsageError
 from ..._limits import parse_size
+from .refusals import MAX_DEPTH
 
 __all__ = [
     "MAX_DEPTH",
+    "MOUNT_METAVAR",
     "STAGING_DIR",
     "Mount",
     "check_mounts",
+    "format_mount",
     "guest_path_for",
     "lexical_parts",
+    "parse_mount",
+    "parse_scratch",
 ]
 
 #: The directory inside each writable mount that holds its runs' staging trees.
 STAGING_DIR = ".wasibox-staging"
-#: Deepest directory nesting inside a writable mount. Staging and publishing walk a tree
-#: holding a descriptor per level, so a guest must not be able to build (and persist, in a
-#: workspace) a tree deep enough to exhaust the host's descriptors or recursion limit.
-MAX_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,3 +165,53 @@ def lexical_parts(path: str) -> tuple[str, ...]:
             continue
         parts.append(part)
     return tuple(parts)
+
+
+# -- the command line's form: --mount and --scratch ------------------------------------------
+
+#: How ``--mount`` is written: options after the second colon, comma-separated.
+MOUNT_METAVAR = "HOST:GUEST[:rw[,c_access]]"
+_MOUNT_OPTIONS = frozenset({"ro", "rw", "c_access"})
+
+
+def parse_mount(text: str) -> Mount:
+    """``HOST:GUEST``, optionally followed by ``:`` and comma-separated options, as a Mount.
+
+    The options are ``ro`` (the default) or ``rw``, and ``c_access`` (C code in the guest,
+    such as sqlite3, sees the mount too; it needs ``rw``): ``./out:/out:rw,c_access``.
+    Raises UsageError for any other shape or option, and as Mount does (a HOST that is not
+    a directory, a GUEST that is not absolute).
+    """
+    host, _, rest = text.partition(":")
+    guest, colon, written = rest.partition(":")
+    options = written.split(",") if colon else []
+    if (not host or not guest or not set(options) <= _MOUNT_OPTIONS
+            or len(set(options)) != len(options) or {"ro", "rw"} <= set(options)):
+        raise UsageError(f"--mount takes HOST:GUEST, HOST:GUEST:rw or "
+                         f"HOST:GUEST:rw,c_access, not {text!r}")
+    if "c_access" in options and "rw" not in options:
+        raise UsageError(f"--mount {text}: c_access needs a writable mount, whose private "
+                         f"staging C code can be given: write {host}:{guest}:rw,c_access")
+    return Mount(host, guest, writable="rw" in options, c_access="c_access" in options)
+
+
+def parse_scratch(text: str) -> Mount:
+    """``GUEST`` or ``GUEST:c_access`` (``--scratch``) as a scratch Mount; UsageError for
+    any other option, and as Mount does for a GUEST that is not absolute."""
+    guest, colon, option = text.partition(":")
+    if colon and option != "c_access":
+        raise UsageError(f"--scratch takes GUEST or GUEST:c_access, not {text!r}")
+    return Mount.scratch(guest, c_access=option == "c_access")
+
+
+def format_mount(mount: Mount) -> str:
+    """The ``--mount`` text that ``parse_mount`` reads back as ``mount`` (quotas aside,
+    which have no syntax). Raises UsageError for a scratch mount, which has no host side,
+    and for a path holding ``:``, which the text form cannot hold."""
+    if mount.host_path is None:
+        raise UsageError("a scratch mount has no --mount form: use --scratch GUEST")
+    if ":" in f"{mount.host_path}{mount.guest_path}":
+        raise UsageError(f"the mount of {mount.host_path} at {mount.guest_path} has no "
+                         "--mount form: its paths hold ':'")
+    options = ",".join(["rw"] * mount.writable + ["c_access"] * mount.c_access)
+    return f"{mount.host_path}:{mount.guest_path}" + (f":{options}" if options else "")

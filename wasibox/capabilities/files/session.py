@@ -10,6 +10,7 @@ capability mediates, and what it guarantees, open this package
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import os
@@ -223,10 +224,24 @@ class FileSession:
         session owns the descriptors."""
         return [(m.mount, None if m.scratch else m.root_fd) for m in self._mounted]
 
-    def refuse(self, path: str, reason: str) -> None:
+    def refuse(self, path: str, reason: str) -> RefusedFile:
         """Report a guest entry that will not be published (a backend whose guest writes its
         own copy of a mount finds these before anything reaches the staging tree)."""
-        self._refused.append(RefusedFile(path=path, reason=reason))
+        refused = RefusedFile(path=path, reason=reason)
+        self._refused.append(refused)
+        return refused
+
+    def withdraw(self, refused: Sequence[RefusedFile]) -> None:
+        """Forget refusals ``refuse`` reported, once each: a microVM session reports its
+        mounts' whole state after every call, so only its latest report stands."""
+        drop = collections.Counter(refused)
+        kept = []
+        for item in self._refused:
+            if drop[item]:
+                drop[item] -= 1
+            else:
+                kept.append(item)
+        self._refused = kept
 
     # -- resolving paths --------------------------------------------------------------------
     def _locate(self, path: str) -> tuple[Mounted | None, tuple[str, ...], bool]:

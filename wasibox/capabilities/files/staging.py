@@ -25,6 +25,7 @@ from typing import Any
 from ..._errors import UsageError
 from ..._result import FileRecord, RefusedFile
 from .mount import MAX_DEPTH, STAGING_DIR, Mount
+from .refusals import refusal
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, walk
 
 __all__ = [
@@ -47,18 +48,6 @@ COPY_CHUNK = 1 << 20
 class QuotaExceeded(Exception):
     """A writable mount's staging tree holds more than its quotas allow; nothing of the run
     is published (``_sandbox.run_with_files`` reports it as the run's ``OSError``)."""
-
-
-def _refusal(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "not a regular file or directory"
 
 
 class Inode:
@@ -557,7 +546,7 @@ def _plan(mounted: Mounted, dir_fd: int, rel: tuple[str, ...], plan: Plan,
                               "ino": st.st_ino,
                               "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
         else:
-            plan.refused.append(RefusedFile(path="/".join(path), reason=_refusal(st.st_mode)))
+            plan.refused.append(RefusedFile(path="/".join(path), reason=refusal(st.st_mode)))
 
 
 def _write_journal(run_fd: int, journal: dict[str, Any]) -> None:
