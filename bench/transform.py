@@ -32,7 +32,7 @@ RATIO_TARGET = 8.0
 # encoding phase calls the runner's own encoder, which the guest program can reach.
 PHASES = CODE + """
 import gc, marshal, sys
-runner = sys.modules["wasibox_guest"]
+runner = sys.modules["wasibox_batch"]
 held = []
 def measure(payload, upto):
     if upto >= 1:
@@ -47,7 +47,7 @@ def measure(payload, upto):
         values = list(map(transform, records))
         held.append(values)
     if upto >= 3:
-        held.append(runner._encode_values(values, []))
+        held.append(runner.encode_values(values, []))
     return upto
 """
 

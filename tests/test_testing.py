@@ -6,10 +6,11 @@ import importlib.metadata
 import os
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import wasibox
@@ -301,3 +302,47 @@ def test_plugin_is_declared_as_a_pytest11_entry_point() -> None:
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert '[project.entry-points.pytest11]\n' in pyproject
     assert 'wasibox = "wasibox.pytest_plugin"' in pyproject
+
+
+
+IDENTITY = "def same(x):\n    return x\n"
+RAISE = "def fail(text):\n    raise ValueError(text)\n"
+
+
+@pytest.fixture(scope="module")
+def plain_sandbox() -> Iterator[wasibox.Sandbox]:
+    with wasibox.Sandbox() as sandbox:
+        yield sandbox
+
+
+def _fits_msgpack(value: object) -> bool:
+    """Whether every int in ``value`` fits msgpack (a call's arguments are msgpack)."""
+    if isinstance(value, dict):
+        return all(map(_fits_msgpack, value.values()))
+    if isinstance(value, list | tuple):
+        return all(map(_fits_msgpack, value))
+    return not isinstance(value, int) or -2**63 <= value < 2**64
+
+
+@given(wt.PLAIN_DATA | st.tuples(wt.PLAIN_DATA, wt.PLAIN_DATA) | st.floats())
+@settings(max_examples=60, deadline=None)
+def test_a_guest_function_returns_what_a_call_returns(plain_sandbox: wasibox.Sandbox,
+                                                      value: object) -> None:
+    # A batch's reply carries a value as JSON only where JSON gives it back exactly, and
+    # with msgpack otherwise (bytes, tuples, NaN): either way, as a call's reply does.
+    assume(_fits_msgpack(value))
+    result = wt.guest_function(IDENTITY, "same").run(value)
+    assert result.ok, result.error
+    assert repr(result.value) == repr(plain_sandbox.call(IDENTITY, "same", value))
+
+
+@given(st.text())
+@settings(max_examples=40, deadline=None)
+def test_a_guest_function_reports_an_error_as_a_call_does(plain_sandbox: wasibox.Sandbox,
+                                                           text: str) -> None:
+    # Any text, lone surrogates included, crosses in the batch reply's header.
+    result = wt.guest_function(RAISE, "fail").run(text)
+    with pytest.raises(wasibox.GuestError) as raised:
+        plain_sandbox.call(RAISE, "fail", text)
+    assert result.error is not None and result.error.type == "ValueError"
+    assert result.error.message == raised.value.message

@@ -80,8 +80,8 @@ def test_oversized_reply_is_refused_before_decoding() -> None:
 def test_a_guest_that_forges_its_reply_gets_a_protocol_error(
         sandbox: wasibox.Sandbox) -> None:
     forge = ("import sys\n"
-             "runner = sys.modules['wasibox_guest']\n"
-             "runner._encode = lambda *a: '{\"exit_code\": 0, \"value\": 5}'\n")
+             "runner = sys.modules['wasibox_job']\n"
+             "runner.encode_reply = lambda *a: '{\"exit_code\": 0, \"value\": 5}'\n")
     result = sandbox.run(forge)
     assert not result.ok
     assert result.error is not None and result.error.type == "ProtocolError"

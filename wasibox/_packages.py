@@ -4,7 +4,7 @@
 packages. The host resolves the requirements and their dependencies with pip, downloads
 wheels only, records each wheel's sha256, and builds a *derived guest*: the base guest's
 recipe with the wheels' contents packed into the snapshot and their top-level modules
-imported at pre-init (see ``guest/runner/wasibox_guest.py``). A run with packages therefore
+imported at pre-init (see ``guest/runner/wasibox_packed.py``). A run with packages therefore
 starts from a snapshot exactly as a run without does. The derived guest is cached by the
 base guest's inputs and the package set's digest (a digest of the wheels' names and
 hashes); its sha256 is the guest digest of those runs, so determinism is promised per

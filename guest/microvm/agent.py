@@ -21,8 +21,9 @@ Frames on the port: a 4-byte big-endian length, then one msgpack map. Guest to h
      "fault": None | {"type", "message", "traceback"}, "cpu_s": float,
      "memory_peak_bytes": int, "truncated": [fd, ...]}
 
-``reply`` is the wasm runner's reply, encoded the same way (JSON, shape in
-``wasibox/_wire.py``), so the host builds the result with the same code for both backends.
+``reply`` is the wasm runner's reply (JSON, shape in ``wasibox/_wire.py``), written by the
+same job core, ``wasibox_job.py`` beside this file: the image packs the wasm runner's own copy,
+so a job runs the same way on both backends, and the host builds the result with the same code.
 Host to guest, once per VM::
 
     {"kind": "run", "job": <the wasm runner's request>, "output_bytes": int,
@@ -41,12 +42,9 @@ the answer back. The host checks every call exactly as it does for the wasm gues
 This file never imports the host package: it is the other side of a trust boundary.
 """
 
-import base64
-import builtins
 import fcntl
 import gc
 import io
-import linecache
 import os
 import random
 import resource
@@ -56,7 +54,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 import types
 
 import msgpack
@@ -90,14 +87,15 @@ MAX_REQUEST_BYTES = 96 * 2**20
 MAX_REPLY_BYTES = 88 * 2**20
 OUTPUT_CHUNK = 1 << 16
 RNDRESEEDCRNG = 0x5207
-_SOURCE_NAME = "<sandbox>"
 _AGENT_FILE = __file__
-#: The file name of the agent's frames that sit under the job while it runs (see
-#: _hide_from_warnings): "importlib" and "_bootstrap" in it make the warnings machinery pass
-#: over them, as it passes over the import system's own frames.
-_INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
-_RUNNER_FILES = frozenset({_AGENT_FILE, _INTERNAL_FILE})
-_BUILTINS = dict(vars(builtins))
+
+# The job core beside this file: the image packs the wasm runner's own wasibox_job.py here,
+# so a job runs the same way on both backends. The ``host`` module comes from here too.
+sys.path.insert(0, os.path.dirname(_AGENT_FILE))
+import wasibox_job  # noqa: E402
+
+wasibox_job.keep_builtins()
+wasibox_job.hide_files(_AGENT_FILE)
 
 
 # -- the channel -------------------------------------------------------------------------------
@@ -154,135 +152,24 @@ class Channel:
 
 # -- the child: runs the job with nothing but its own pipes -----------------------------------
 
-def _describe(exc):
-    """The guest-visible description of an exception, without this agent's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
-        tb = tb.tb_next
-    exc = exc.with_traceback(tb)
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except BaseException:
-        text = f"{type(exc).__name__}: <exception could not be formatted>\n"
-    try:
-        message = str(exc)
-    except BaseException:
-        message = "<exception could not be formatted>"
-    return {"type": type(exc).__name__, "message": message, "traceback": text}
-
-
-def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):  # noqa: B008
-    # Bound as defaults: clearing the namespace removes every builtin name until update runs.
-    namespace.clear()
-    namespace.update(pristine)
-
-
-def _encode(exit_code, error, value, memory_error):
-    """The reply, exactly as the wasm runner writes it: a JSON object whose ``value``, if
-    any, is base64 msgpack (so values keep msgpack's exact types)."""
-    fields = {"exit_code": exit_code, "memory_error": memory_error, "heap_top": 0}
-    if error is not None:
-        fields["error"] = error
-    if value is not None:
-        fields["value"] = base64.b64encode(msgpack.packb(value, use_bin_type=True)).decode()
-    return json.dumps(fields, ensure_ascii=True)
-
-
-def _exit_status(code):
-    """The exit status a Linux parent sees when CPython ends with ``SystemExit(code)``.
-
-    None is 0. An int is converted to a C long long and truncated to int (-1 if it does not
-    fit a long long), and the kernel keeps the low 8 bits. Anything else is printed to stderr
-    and is 1.
-    """
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        code = int.__index__(code)  # its value, whatever an int subclass overrides
-        return code & 0xFF if -2**63 <= code < 2**63 else 255
-    try:
-        print(code, file=sys.stderr)
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    return 1
-
-
-#: The state of a session (``"session": True`` jobs): its namespace, once made.
-_SESSION = {}
-
-
 def execute(job):
     """Run one job (the wasm runner's request) and return the encoded reply."""
-    session = job.get("session", False)
     seed = job.get("seed")
-    sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
     numpy_module = sys.modules.get("numpy")
-    if not (session and _SESSION):  # a session's streams are seeded once, then run on
+    if not (job.get("session", False) and wasibox_job.SESSION):
         random.seed(seed)  # None: from the kernel's entropy, which the agent reseeded
-    else:
+    else:  # a session's streams are seeded once, then run on
         numpy_module = None
     if numpy_module is not None:
         # numpy's global generator was seeded when the template imported it: every run would
         # otherwise draw the same stream. Seeded like ``random``; None draws fresh entropy.
         numpy_module.random.seed(None if seed is None else seed & 0xFFFFFFFF)
     if "argv" in job:
-        # As the wasm runner does: sys.argv, sys.path, os.environ and stdin from the job.
         # The job's environment replaces the child's defaults, so that a program sees the
         # same os.environ on both backends.
-        sys.argv[:] = job["argv"]
-        sys.path[:0] = [entry for entry in job["path"] if entry not in sys.path]
         os.environ.clear()
-        os.environ.update(job["env"])
-        if job["stdin"] is not None:
-            sys.stdin = io.TextIOWrapper(io.BytesIO(job["stdin"]), encoding="utf-8",
-                                         errors="surrogateescape", newline="\n")
-    code = job["code"]
-    filename = job.get("filename", _SOURCE_NAME)
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    if session:
-        namespace = _SESSION.setdefault("namespace",
-                                        {"__name__": "__main__", "__builtins__": builtins})
-    else:
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
-        if filename != _SOURCE_NAME:
-            namespace["__file__"] = filename
-    exit_code = 0
-    error = None
-    value = None
-    memory_error = False
-    try:
-        exec(compile(code, filename, "exec", dont_inherit=True), namespace)
-        if job.get("op") == "call":
-            entry = job.get("entry")
-            function = namespace.get(entry)
-            if not callable(function):
-                raise NameError(f"the code defines no callable named {entry!r}")
-            value = function(*job.get("args", ()), **job.get("kwargs", {}))
-    except SystemExit as exc:
-        exit_code = _exit_status(exc.code)
-    except MemoryError as exc:
-        memory_error = True
-        error = _describe(exc)
-        exit_code = 1
-    except BaseException as exc:
-        error = _describe(exc)
-        exit_code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    _restore_builtins()
-    try:
-        return _encode(exit_code, error, value, memory_error)
-    except (TypeError, ValueError, OverflowError) as exc:
-        if error is None and exit_code == 0:
-            error = {"type": "TypeError", "traceback": "",
-                     "message": f"the return value of {job.get('entry')!r} is not "
-                                f"msgpack-compatible: {exc}"}
-            exit_code = 1
-        return _encode(exit_code, error, None, memory_error)
+    wasibox_job.prepare(job)
+    return wasibox_job.run_job(job, (sys.stdout, sys.stderr))
 
 
 class _Err(Exception):
@@ -344,7 +231,6 @@ def _load_host_module():
     sys.modules.update({"wit_world": wit_world, "wit_world.imports": imports,
                         "wit_world.imports.host": channel,
                         "componentize_py_types": binding_types})
-    sys.path.insert(0, os.path.dirname(_AGENT_FILE))
     try:
         import host
     except ImportError as exc:
@@ -781,18 +667,7 @@ def main():
         signal.pause()
 
 
-def _hide_from_warnings(*functions):
-    """Give these functions' frames the agent's internal file name.
-
-    A warning whose ``stacklevel`` reaches past the job (``warnings.warn(..., stacklevel=2)``
-    at its top level) is then reported as a native CPython reports it, at ``sys:1``, instead
-    of at a line of this file.
-    """
-    for function in functions:
-        function.__code__ = function.__code__.replace(co_filename=_INTERNAL_FILE)
-
-
-_hide_from_warnings(main, serve, _child, execute)
+wasibox_job.hide_from_warnings(main, serve, _child, execute)
 
 if __name__ == "__main__":
     main()

@@ -2,38 +2,36 @@
 
 componentize-py imports this module once, at build time, and snapshots the interpreter right
 after. Everything at module level therefore runs *once per build*, never per run: it imports a
-curated set of stdlib modules and packs the rest of the stdlib into memory as marshalled code
-objects, because the stdlib directory componentize-py mounts while it snapshots is gone at run
-time. Each run then starts from that snapshot in a fresh instance and calls ``execute``.
+curated set of stdlib modules, packs the rest of the stdlib into memory
+(``wasibox_packed.py``), and puts the run-time environment in place (the host's clock,
+entropy, output and exit; no sockets or threads; files through ``wasibox_files.py``). Each run
+then starts from that snapshot in a fresh instance and calls ``execute``, which decodes the
+job and runs it: a run, call or compile job with the job core the microVM agent shares
+(``wasibox_job.py``), a batch with ``wasibox_batch.py``.
 
 This file never imports the host package: it is the other side of a trust boundary. The wire
 shapes it speaks are documented in ``wasibox/_wire.py``.
 """
 
-import base64
 import binascii
-import builtins
 import gc
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import io
-import json
 import linecache
 import marshal
 import operator
 import os
 import sys
-import traceback
 
-import msgpack
+import wasibox_batch
 import wasibox_files
+import wasibox_job
 import wit_world
 from wit_world.imports import clock as _clock
 from wit_world.imports import entropy as _entropy
 from wit_world.imports import process as _process
 from wit_world.imports import runner as _runner
 from wit_world.imports import stdio as _stdio
+
 
 # The guest's `import host`: host functions and mediated HTTP (guest/runner/host/). Installing
 # its urllib handler now means urlopen goes through the host in every run.
@@ -44,7 +42,7 @@ host.http.install()
 
 # Imported now so they cost nothing at run time: the common data-processing modules.
 import asyncio  # noqa: F401
-import base64  # noqa: F401,F811
+import base64  # noqa: F401
 import bisect  # noqa: F401
 import collections  # noqa: F401
 import csv  # noqa: F401
@@ -82,292 +80,13 @@ import xml.etree.ElementTree  # noqa: F401
 import zlib  # noqa: F401
 import zoneinfo  # noqa: F401
 
-_STDLIB_ROOT = "/python"
-# Packages that are never packed: tests, GUI, and tooling that cannot run under WASI.
-_SKIP_DIRS = frozenset({
-    "__pycache__", "site-packages", "test", "tests", "idlelib", "tkinter", "turtledemo",
-    "ensurepip", "venv", "lib2to3", "pydoc_data",
-})
-# Modules that exist in the stdlib but cannot work without an OS process model, native
-# libraries or a terminal. Importing one raises a clear ImportError instead of failing deep
-# inside the module.
-UNAVAILABLE = frozenset({
-    "ctypes", "ssl", "bz2", "lzma", "multiprocessing", "concurrent.futures.process", "curses",
-    "readline", "dbm.gnu", "dbm.ndbm", "tkinter", "turtle", "idlelib", "venv", "ensurepip",
-    "_ctypes", "_ssl", "_bz2", "_lzma", "_curses", "_tkinter", "pty", "tty", "termios",
-    "fcntl", "grp", "pwd", "resource", "mmap", "syslog",
-})
+# isort: split
+# From here on, the stdlib comes from memory (its mount is gone at run time); the modules
+# imported so far read their source from the packed copy too.
+import wasibox_packed  # noqa: E402
 
+wasibox_packed.install()
 
-def _pack_tree(root, prefix, skip, display_root="<stdlib>"):
-    """Compile every module under ``root`` into ``{name: (is_package, marshalled code,
-    file name, zlib-compressed source)}``; the file name, under ``display_root``, is the
-    module's ``__file__``. The source is what tracebacks and ``inspect`` show."""
-    table = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip and "-" not in d and "." not in d)
-        rel = os.path.relpath(dirpath, root)
-        package = prefix if rel == "." else ".".join(filter(None, [prefix, *rel.split(os.sep)]))
-        for filename in sorted(filenames):
-            if not filename.endswith(".py"):
-                continue
-            stem = filename[:-3]
-            is_package = stem == "__init__"
-            name = package if is_package else ".".join(filter(None, [package, stem]))
-            if not name or name in table:
-                continue
-            path = os.path.join(dirpath, filename)
-            with open(path, "rb") as handle:
-                source = handle.read()
-            display = display_root + "/" + os.path.relpath(path, root)
-            try:
-                code = compile(source, display, "exec", dont_inherit=True)
-            except SyntaxError:
-                continue
-            table[name] = (is_package, marshal.dumps(code), display, zlib.compress(source, 9))
-    return table
-
-
-def _pack_resources(root, prefix):
-    """Read the data files of a package tree: ``{package: {file name: bytes}}``."""
-    resources = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        rel = os.path.relpath(dirpath, root)
-        package = prefix if rel == "." else ".".join([prefix, *rel.split(os.sep)])
-        files = {}
-        for filename in sorted(filenames):
-            if filename.endswith((".py", ".pyc")):
-                continue
-            with open(os.path.join(dirpath, filename), "rb") as handle:
-                files[filename] = handle.read()
-        resources[package] = files
-    return resources
-
-
-_MODULES = _pack_tree(_STDLIB_ROOT, "", _SKIP_DIRS)
-_RESOURCES = {}
-for _entry in sys.path:
-    # Bundled pure-Python data packages (tzdata, so zoneinfo has a time zone database).
-    _tz = os.path.join(_entry, "tzdata")
-    if _entry != _STDLIB_ROOT and os.path.isdir(_tz):
-        _MODULES.update(_pack_tree(_tz, "tzdata", frozenset({"__pycache__"}), "<stdlib>/tzdata"))
-        _RESOURCES.update(_pack_resources(_tz, "tzdata"))
-        break
-
-# -- build time: the package set --------------------------------------------------------------
-#
-# A guest built for a package set (wasibox/_packages.py) has the wheels' contents in a
-# ``wasibox_site`` directory beside this file. They are packed like the stdlib, after it (a
-# package never shadows a stdlib module), and imported below, once the run-time environment
-# is in place, so the snapshot holds them imported.
-_SITE_ROOT = "<packages>"
-_SITE_TOP_LEVEL = []  # the importable top-level names of the package set, in order
-_DISTRIBUTIONS = {}  # normalised project name -> {dist-info file name: bytes}
-
-
-def _normalise(project):
-    return "".join("_" if c in "-." else c for c in project).lower()
-
-
-def _pack_site(site):
-    for name in sorted(os.listdir(site)):
-        path = os.path.join(site, name)
-        if name.endswith(".dist-info") and os.path.isdir(path):
-            project = name[: -len(".dist-info")].rpartition("-")[0]
-            files = {}
-            for filename in sorted(os.listdir(path)):
-                if os.path.isfile(os.path.join(path, filename)):
-                    with open(os.path.join(path, filename), "rb") as handle:
-                        files[filename] = handle.read()
-            _DISTRIBUTIONS.setdefault(_normalise(project), files)
-        elif (name[:-3] if name.endswith(".py") else name) in _MODULES:
-            continue  # the stdlib or a bundled package (tzdata) has it: theirs stays
-        elif os.path.isdir(path) and name.isidentifier():
-            if not os.path.isfile(os.path.join(path, "__init__.py")):
-                # A namespace package: an empty package module holds its portions.
-                _MODULES[name] = (True, marshal.dumps(compile("", name, "exec")),
-                                  f"{_SITE_ROOT}/{name}/__init__.py")
-            _MODULES.update(_pack_tree(path, name, frozenset({"__pycache__"}),
-                                       f"{_SITE_ROOT}/{name}"))
-            _RESOURCES.update(_pack_resources(path, name))
-            _SITE_TOP_LEVEL.append(name)
-        elif name.endswith(".py") and name[:-3].isidentifier() and os.path.isfile(path):
-            with open(path, "rb") as handle:
-                source = handle.read()
-            display = f"{_SITE_ROOT}/{name}"
-            try:
-                code = compile(source, display, "exec", dont_inherit=True)
-            except SyntaxError:
-                continue
-            _MODULES[name[:-3]] = (False, marshal.dumps(code), display)
-            _SITE_TOP_LEVEL.append(name[:-3])
-
-
-for _entry in sys.path:
-    _site = os.path.join(_entry, "wasibox_site")
-    if _entry != _STDLIB_ROOT and os.path.isdir(_site):
-        _pack_site(_site)
-        break
-
-
-class _Resource:
-    """A read-only ``importlib.resources`` Traversable over packed bytes."""
-
-    def __init__(self, package, name, data):
-        self._package = package
-        self.name = name
-        self._data = data
-
-    def is_file(self):
-        return self._data is not None
-
-    def is_dir(self):
-        return self._data is None
-
-    def iterdir(self):
-        if self._data is not None:
-            return iter(())
-        return (_Resource(self._package, n, d) for n, d in _RESOURCES.get(self._package, {}).items())
-
-    def joinpath(self, *parts):
-        if len(parts) != 1 or "/" in parts[0]:
-            raise FileNotFoundError("/".join(parts))
-        data = _RESOURCES.get(self._package, {}).get(parts[0])
-        if data is None:
-            raise FileNotFoundError(parts[0])
-        return _Resource(self._package, parts[0], data)
-
-    __truediv__ = joinpath
-
-    def open(self, mode="r", *args, **kwargs):
-        if self._data is None:
-            raise IsADirectoryError(self.name)
-        if "b" in mode:
-            return io.BytesIO(self._data)
-        return io.TextIOWrapper(io.BytesIO(self._data), *args, **kwargs)
-
-    def read_bytes(self):
-        return self.open("rb").read()
-
-    def read_text(self, encoding=None):
-        return self._data.decode(encoding or "utf-8")
-
-
-class _ResourceReader:
-    def __init__(self, package):
-        self._package = package
-
-    def files(self):
-        return _Resource(self._package, self._package.rpartition(".")[2], None)
-
-
-class _PackedFinder(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
-    """Imports stdlib modules from the code objects packed into the snapshot.
-
-    A module gets a ``__file__`` (its packed name, ``<stdlib>/...``), as stdlib code such as
-    ``_strptime`` expects. Loading goes through InspectLoader's ``exec_module``, which is
-    importlib's own: no frame of this file sits between a module and its importer, so a
-    warning a module raises at import time (``stacklevel=2``) names the importing line.
-    """
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in UNAVAILABLE or fullname.partition(".")[0] in UNAVAILABLE:
-            raise ModuleNotFoundError(
-                f"module {fullname!r} is not available in the wasibox sandbox "
-                "(it needs native libraries or OS features that WebAssembly does not have)",
-                name=fullname,
-            )
-        entry = _MODULES.get(fullname)
-        if entry is None:
-            return None
-        spec = importlib.machinery.ModuleSpec(fullname, self, origin=entry[2],
-                                              is_package=entry[0])
-        spec.has_location = True  # so the import system sets __file__ from the origin
-        return spec
-
-    def create_module(self, spec):
-        return None
-
-    def get_code(self, fullname):
-        return marshal.loads(_MODULES[fullname][1])
-
-    def get_source(self, fullname):
-        # Compressed, the stdlib's source adds about 1.7 MB to the snapshot.
-        return importlib.util.decode_source(zlib.decompress(_MODULES[fullname][3]))
-
-    def is_package(self, fullname):
-        return _MODULES[fullname][0]
-
-    def get_resource_reader(self, fullname):
-        return _ResourceReader(fullname)
-
-    def get_data(self, path):
-        """A packed data file by the path its package's ``__file__`` implies (what
-        ``pkgutil.get_data`` asks for); FileNotFoundError for any other path."""
-        for root in (_SITE_ROOT + "/", "<stdlib>/"):
-            if path.startswith(root):
-                *package, name = path[len(root):].split("/")
-                data = _RESOURCES.get(".".join(package), {}).get(name)
-                if data is not None:
-                    return data
-        raise FileNotFoundError(2, "No such file or directory", path)
-
-    def find_distributions(self, context=None):
-        """The package set's distributions, for ``importlib.metadata`` (versions, entry
-        points); the dist-info files were packed at build time."""
-        wanted = getattr(context, "name", None)
-        for project, files in _DISTRIBUTIONS.items():
-            if wanted is None or _normalise(wanted) == project:
-                yield _distribution_class()(files)
-
-
-@functools.cache
-def _distribution_class():
-    """The Distribution type for packed dist-info files. Made on first use: importlib.metadata
-    is the caller then, and a guest without packages never imports it."""
-    import importlib.metadata
-
-    class PackedDistribution(importlib.metadata.Distribution):
-        def __init__(self, files):
-            self._files = files
-
-        def read_text(self, filename):
-            data = self._files.get(filename)
-            return None if data is None else data.decode("utf-8", "replace")
-
-        def locate_file(self, path):
-            return f"{_SITE_ROOT}/{path}"
-
-    return PackedDistribution
-
-
-# From here on, the stdlib comes from memory: its mount disappears after the snapshot. The
-# file system holds only the run's mounts (wasibox_files.py), and sys.path starts as
-# ``python -c`` starts it, with "" (the current directory, "/" unless the program changes
-# it), so the path importer finds only what is in the current directory or a run puts on
-# sys.path (the job's ``path``, or the program's own sys.path.insert), and reads it through
-# the same mounts as open(). The packed stdlib comes first, so a user module cannot shadow a
-# stdlib one.
-sys.meta_path[:] = [
-    importlib.machinery.BuiltinImporter,
-    importlib.machinery.FrozenImporter,
-    _PackedFinder(),
-    importlib.machinery.PathFinder,
-]
-sys.path[:] = [""]
-sys.path_hooks[:] = [importlib.machinery.FileFinder.path_hook(
-    (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
-    (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))]
-sys.path_importer_cache.clear()
-sys.dont_write_bytecode = True
-# The modules imported above were read from the stdlib's mount, and their loaders would read
-# it again for their source (tracebacks, inspect): point them at the packed copy instead.
-for _module in list(sys.modules.values()):
-    _spec = getattr(_module, "__spec__", None)
-    if _spec is not None and _spec.name in _MODULES and isinstance(
-            _spec.loader, importlib.machinery.SourceFileLoader):
-        _spec.loader = _module.__loader__ = sys.meta_path[2]
 
 # -- build time: the run-time environment ---------------------------------------------------
 
@@ -518,116 +237,24 @@ threading._start_joinable_thread = threading._start_new_thread = _no_threads
 # Files exist only under the host's mounts (see wasibox_files.py).
 wasibox_files.install()
 
-# The package set's modules, imported now so a run pays nothing to import them (a run that
-# imported dateutil.parser itself spent ~80 M fuel on it). Test suites and __main__ modules
-# are left out. One that fails to import here (it needs something WASI lacks, or an
-# optional dependency) stays unimported: a run that imports it gets the same error, with
-# its traceback, instead of the whole set failing.
-# The path importer is kept out of it: at build time the files capability is a trapping stub,
-# and a package's optional imports (``try: import x``) would ask it about "" on sys.path.
-sys.path[:] = []
-for _name in sorted(name for name in _MODULES if name.partition(".")[0] in _SITE_TOP_LEVEL):
-    if {"__main__", "test", "tests"} & set(_name.split(".")) or _name in sys.modules:
-        continue
-    try:
-        importlib.import_module(_name)
-    except Exception:
-        for _module in [m for m in sys.modules if m == _name or m.startswith(_name + ".")]:
-            del sys.modules[_module]
-sys.path[:] = [""]
-sys.path_importer_cache.clear()
+# The package set's modules, imported now so a run pays nothing to import them.
+wasibox_packed.import_package_set()
 
 
 # -- run time --------------------------------------------------------------------------------
 
-_SOURCE_NAME = "<sandbox>"
-_BUILTINS = dict(vars(builtins))
-
-
-def _restore_builtins(namespace=vars(builtins), pristine=_BUILTINS):
-    # Bound as defaults: clearing the namespace removes every builtin name until update runs.
-    namespace.clear()
-    namespace.update(pristine)
-_RUNNER_FILE = __file__
-#: The file name of the runner's frames that sit under the program while it runs (see
-#: _hide_from_warnings): "importlib" and "_bootstrap" in it make the warnings machinery pass
-#: over them, as it passes over the import system's own frames.
-_INTERNAL_FILE = "<wasibox runner, skipped like importlib._bootstrap>"
-_RUNNER_FILES = frozenset({_RUNNER_FILE, _INTERNAL_FILE})
-
-
-#: Frames of these files stand in for what natively is C (os.urandom, open, os.stat, ...),
-#: so tracebacks leave them out, as a native CPython's have no frame there.
-_HIDDEN_FILES = _RUNNER_FILES | {wasibox_files.__file__}
-
-
-def _hide_frames(exc):
-    """Unlink the frames of ``_HIDDEN_FILES`` from the tracebacks of ``exc`` and its chain."""
-    pending, seen = [exc], set()
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        kept = []
-        tb = current.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename not in _HIDDEN_FILES:
-                kept.append(tb)
-            tb = tb.tb_next
-        for frame, following in zip(kept, kept[1:] + [None]):
-            frame.tb_next = following
-        current.__traceback__ = kept[0] if kept else None
-        pending += [current.__cause__, current.__context__]
-
-
-def _describe(exc):
-    """The guest-visible description of an exception, without this runner's frames."""
-    try:
-        _hide_frames(exc)
-    except BaseException:  # a hostile exception (a __traceback__ property, ...): as it is
-        pass
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except BaseException:  # a hostile __str__ or __repr__ must not take the runner down
-        text = f"{type(exc).__name__}: <exception could not be formatted>\n"
-    try:
-        message = str(exc)
-    except BaseException:
-        message = "<exception could not be formatted>"
-    return {"type": type(exc).__name__, "message": message, "traceback": text}
-
-
-_json_string = json.encoder.encode_basestring_ascii  # C; escapes lone surrogates too
-
-
-def _encode(exit_code, error, value, memory_error, heap_top):
-    """The reply: a JSON object whose ``value``, if any, is base64 msgpack.
-
-    Only the value needs msgpack's exact types. The rest has a fixed shape, so it is written
-    directly with the C string escaper: msgpack's pure-Python encoder, or even ``json.dumps``
-    (which builds a new encoder per call), cost more fuel than a small program does.
-    """
-    parts = ['{"exit_code":%d,"memory_error":%s,"heap_top":%d'
-             % (exit_code, "true" if memory_error else "false", heap_top)]
-    if error is not None:
-        parts.append(',"error":{"type":%s,"message":%s,"traceback":%s}' % (
-            _json_string(error["type"]), _json_string(error["message"]),
-            _json_string(error["traceback"])))
-    if value is not None:
-        parts.append(',"value":"%s"' % binascii.b2a_base64(
-            msgpack.packb(value, use_bin_type=True), newline=False).decode("ascii"))
-    parts.append("}")
-    return "".join(parts)
+# What the builtins are now, with this runner's patches, is what every job starts from.
+wasibox_job.keep_builtins()
+# Frames of these files stand in for what natively is C (os.urandom, open, os.stat, the
+# import system), so tracebacks leave them out, as a native CPython's have no frame there.
+wasibox_job.hide_files(__file__, wasibox_batch.__file__, wasibox_files.__file__,
+                       wasibox_packed.__file__)
 
 
 class WitWorld(wit_world.WitWorld):
     def execute(self, request: str) -> str:
         return _execute(request, _STREAMS)
 
-
-#: The state of a session (``"session": True`` requests): its namespace, once made.
-_SESSION = {}
 
 # The seed the snapshot's ``random`` module was seeded with at build time (see the end of this
 # file): a job with this seed skips re-seeding, which costs more than the rest of a small run.
@@ -642,99 +269,24 @@ def _execute(request, streams):
     """
     request, _, records = request.partition("\x00")  # a batch's records follow a NUL
     job = marshal.loads(binascii.a2b_base64(request))
-    stdout, stderr = streams
-    sys.stdout, sys.stderr = stdout, stderr
-    sys.argv = [""]  # what CPython gives code run with -c or from stdin; argparse needs argv[0]
-    session = job.get("session", False)
-    seed = job.get("seed")
+    sys.stdout, sys.stderr = streams
     # A session's random stream is seeded once, by its first call, and then runs on.
-    if seed != _SNAPSHOT_SEED and not (session and _SESSION):
+    seed = job.get("seed")
+    if seed != _SNAPSHOT_SEED and not (job.get("session", False) and wasibox_job.SESSION):
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
-    if "argv" in job:
-        _program_context(job)
+    wasibox_job.prepare(job)
     if job.get("op") == "batch":
-        return _execute_batch(job, records.encode("latin-1"), streams)
-    code = job["code"]
-    filename = job.get("filename", _SOURCE_NAME)
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    if session:
-        # A session's calls share one namespace, made by its first call; an ordinary run's
-        # instance never sees a session request, so nothing of this outlives its run.
-        namespace = _SESSION.setdefault("namespace",
-                                        {"__name__": "__main__", "__builtins__": builtins})
-    else:
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
-        if filename != _SOURCE_NAME:
-            namespace["__file__"] = filename
-    exit_code = 0
-    error = None
-    value = None
-    memory_error = False
-    try:
-        if job.get("op") == "compile":
-            value = _compile_only(code, filename)
-        else:
-            exec(_program(code, job.get("compiled"), filename), namespace)
-        if job.get("op") == "call":
-            entry = job.get("entry")
-            function = namespace.get(entry)
-            if not callable(function):
-                raise NameError(f"the code defines no callable named {entry!r}")
-            value = function(*job.get("args", ()), **job.get("kwargs", {}))
-    except SystemExit as exc:
-        exit_code = _exit_status(exc.code)
-    except MemoryError as exc:
-        memory_error = True
-        error = _describe(exc)
-        exit_code = 1
-    except BaseException as exc:
-        error = _describe(exc)
-        exit_code = 1
-    try:
-        # Flush what the program left open, before the host publishes; a session's files
-        # stay open for its next call.
-        (wasibox_files.flush_open if session else wasibox_files.finish)()
-    except BaseException as exc:
-        if error is None and exit_code == 0:
-            error = _describe(exc)
-            exit_code = 1
-    for stream in streams:
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    # The program may have replaced builtins the reply's encoder relies on.
-    _restore_builtins()
-    try:
-        return _encode(exit_code, error, value, memory_error, _heap_top())
-    except (TypeError, ValueError, OverflowError) as exc:
-        if error is None and exit_code == 0:
-            problem = TypeError(f"the return value of {job.get('entry')!r} is not "
-                                f"msgpack-compatible: {exc}")
-            error = {"type": "TypeError", "message": str(problem), "traceback": ""}
-            exit_code = 1
-        return _encode(exit_code, error, None, memory_error, _heap_top())
+        return wasibox_batch.execute_batch(job, records.encode("latin-1"), streams, _program)
+    return wasibox_job.run_job(job, streams, _program, _finish, _heap_top)
 
 
-def _program_context(job):
-    """Give the program what ``python script.py args`` would: ``sys.argv``, ``sys.path``
-    (the job's ``path`` first), ``os.environ`` and ``sys.stdin``, all from the job alone.
-
-    The host sends these fields only when a caller set one of them (see wasibox/_wire.py).
-    """
-    sys.argv[:] = job["argv"]
-    # Each of a session's calls sends the path again: put each directory first only once.
-    sys.path[:0] = [entry for entry in job["path"] if entry not in sys.path]
-    if job["env"]:
-        os.environ.update(job["env"])
-    stdin = job["stdin"]
-    if stdin is not None:
-        # As CPython's own stdin on POSIX: no newline translation, undecodable bytes kept.
-        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8",
-                                     errors="surrogateescape", newline="\n")
+def _finish(session):
+    """Flush what the program left open, before the host publishes; a session's files stay
+    open for its next call."""
+    (wasibox_files.flush_open if session else wasibox_files.finish)()
 
 
-def _program(code, compiled, filename=_SOURCE_NAME):
+def _program(code, compiled, filename):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
@@ -750,248 +302,9 @@ def _program(code, compiled, filename=_SOURCE_NAME):
     return program
 
 
-def _compile_only(code, filename=_SOURCE_NAME):
-    """The ``compile`` job: the marshalled code object, without running any of it.
-
-    Version 2 has no back-references, so the bytes depend only on the source, not on the
-    reference counts this interpreter's history left behind; 3.14's constant slices need
-    version 5.
-    """
-    program = compile(code, filename, "exec", dont_inherit=True)
-    try:
-        return marshal.dumps(program, 2)
-    except ValueError:
-        return marshal.dumps(program)
-
-
 # The warm-up swaps in a stand-in: there is no host at build time.
 _start = _runner.start
-
-
-# -- run time: batches of records (wasibox.Transform) ----------------------------------------
-#
-# The records arrive marshalled (the host is trusted; marshal is CPython's fastest built-in
-# codec); dicts with the same keys arrive "keyed", each key once, interned, and referenced by
-# every record. The reply is JSON, which the host can decode safely; a batch of dicts with the
-# same keys and scalar values travels as columns, numbers as marshalled lists that the host
-# checks byte by byte (it never unmarshals them). Shapes: wasibox/_wire.py.
-#
-# Fuel, measured per record of {"id": int, "price": float, "qty": int} -> {"id", "total"}:
-# keyed records cost ~3K to load and call where one marshal list cost ~5K plus a slower call
-# (each record decoded and hashed its own copy of every key, and the function's lookups
-# missed the identity check); letting the batch's records and outputs die cost ~3.5K;
-# checking that every output has the same keys in the same order as one flat key list costs
-# ~0.9K, where a set of key tuples cost ~2.6K; marshal encodes a column and proves its exact
-# types in one C pass (~0.3K), where a set of types and struct.pack took two (~0.7K).
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-_JSON = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
-_JSON_LOADS = json.loads
-_B64 = base64.b64encode
-_BATCH_GC_THRESHOLD = 50_000
-_PACK = struct.pack
-_ITEM = operator.itemgetter
-_EXHAUST = functools.partial(collections.deque, maxlen=0)
-#: What a batch made, kept to the end of the instance: freeing ~100,000 records and outputs
-#: one object at a time cost more fuel than the function did, and the instance dies with it.
-_HELD = []
-
-
-def _execute_batch(job, records, streams):
-    """Call the entry function once per record of a batch, in this one instance."""
-    code = job["code"]
-    filename = job.get("filename", _SOURCE_NAME)
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    values = []
-    errors = []
-    error = None
-    memory_error = False
-    try:
-        exec(_program(code, job.get("compiled"), filename), namespace)
-        function = namespace.get(job["entry"])
-        if not callable(function):
-            raise NameError(f"the code defines no callable named {job['entry']!r}")
-    except BaseException as exc:  # the code itself failed: every record fails the same way
-        memory_error = isinstance(exc, MemoryError)
-        error = _describe(exc)
-    else:
-        # The collector has nothing to find in the records; frozen, it never walks them again.
-        collecting = gc.isenabled()  # the program may have turned the collector off
-        gc.disable()
-        try:
-            loaded = marshal.loads(records)
-        finally:
-            if collecting:
-                gc.enable()
-        gc.freeze()
-        if type(loaded) is tuple:  # keyed: (keys, records), each key in every record shared
-            loaded = loaded[1]
-        _HELD.append(loaded)
-        records = iter(loaded)
-        if job.get("star"):  # each record is a tuple of positional arguments
-            function = functools.partial(_star, function)
-        # A young-generation collection every 2,000 allocations spends most of its time
-        # walking this batch's records and outputs, which stay alive to the end anyway:
-        # collecting 25 times less often saved ~12% of a batch's fuel. Outputs count as
-        # allocations too, so the headroom grows by two per record: cyclic garbage still
-        # gets 50,000 objects before a collection, and the outputs alone never force one
-        # (another 3.5% for 100,000 records). The instance serves this one batch, so the
-        # setting dies with it.
-        gc.set_threshold(_BATCH_GC_THRESHOLD + 2 * len(loaded), *gc.get_threshold()[1:])
-        while True:
-            try:
-                # map() runs the loop in C; a record that raises ends this extend, and the
-                # next pass resumes with the record after it.
-                values.extend(map(function, records))
-                break
-            except BaseException as exc:
-                memory_error = memory_error or isinstance(exc, MemoryError)
-                errors.append([len(values), _describe(exc)])
-                values.append(None)
-    try:
-        wasibox_files.finish()
-    except BaseException as exc:
-        error = error or _describe(exc)
-    for stream in streams:
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    _restore_builtins()
-    _HELD.append(values)
-    header = {"error": error, "memory_error": memory_error, "count": len(values)}
-    body, blobs = _encode_values(values, errors) if error is None else ("null", [])
-    header["errors"] = errors
-    # Raw column bytes follow the JSON after a NUL, which JSON text never contains: escaping
-    # (or base64) would cost more fuel than packing the numbers did.
-    return "".join([_JSON(header)[:-1], ',"values":', body, "}\x00", *blobs])
-
-
-def _star(function, arguments):
-    return function(*arguments)
-
-
-def _hide_from_warnings(*functions):
-    """Give these functions' frames the runner's internal file name.
-
-    A warning whose ``stacklevel`` reaches past the program (``warnings.warn(...,
-    stacklevel=2)`` at its top level) is then reported as a native CPython reports it, at
-    ``sys:1``, instead of at a line of this file.
-    """
-    for function in functions:
-        function.__code__ = function.__code__.replace(co_filename=_INTERNAL_FILE)
-
-
-_hide_from_warnings(WitWorld.execute, _execute, _execute_batch, _star)
-
-
-def _encode_values(values, errors):
-    """JSON for the batch's values and raw column blobs; adds records that cannot cross to
-    ``errors``."""
-    failed = {position for position, _ in errors}
-    ok = [v for i, v in enumerate(values) if i not in failed] if failed else values
-    try:
-        columns = _columns(ok)
-    except (TypeError, ValueError, OverflowError):
-        columns = None
-    if columns is not None:
-        return _JSON({"columns": columns[0], "keys": columns[1]}), columns[2]
-    try:
-        text = _JSON(values)
-        exact = _JSON_LOADS(text) == values
-    except (TypeError, ValueError, OverflowError, RecursionError):
-        exact = False
-    if exact:
-        return '{"json":' + text + "}", []
-    # Some value does not survive JSON exactly (a bytes, a tuple, a non-str key, ...): send
-    # each such value with msgpack instead, and fail the records no format can carry.
-    plain, packed = [], {}
-    for position, value in enumerate(values):
-        try:
-            if position not in failed:
-                text = _JSON(value)
-                if _JSON_LOADS(text) == value:
-                    plain.append(value)
-                    continue
-        except (TypeError, ValueError, OverflowError, RecursionError):
-            pass
-        plain.append(None)
-        if position in failed:
-            continue
-        try:
-            packed[str(position)] = _B64(msgpack.packb(value, use_bin_type=True)).decode()
-        except BaseException as exc:
-            errors.append([position, {
-                "type": "TypeError", "traceback": "",
-                "message": f"the return value is not JSON- or msgpack-compatible: {exc}"}])
-    return _JSON({"json": plain, "packed": packed}), []
-
-
-def _columns(ok):
-    """Dicts with the same str keys, in the same order, and scalar values, as one column per
-    key; else None.
-
-    Each column is "i" or "g" (its marshal bytes: all int32s or all floats, which the tags
-    prove), "q" (little-endian int64s) or a JSON list of scalars.
-    """
-    rows = len(ok)
-    if not ok or set(map(type, ok)) != {dict}:
-        return None
-    keys = list(ok[0])
-    # Every dict's keys, one after the other, are the first dict's, repeated: no dict can hold
-    # a key twice, so each has exactly these keys, in this order. list.extend reads a dict's
-    # keys without making an iterator: ~0.9K fuel a record, where itertools.chain took ~1.4K.
-    every = []
-    _EXHAUST(map(every.extend, ok))
-    if set(map(type, keys)) - {str} or every != keys * rows:
-        return None
-    columns, blobs = [], []
-    for key in keys:
-        column = list(map(_ITEM(key), ok))
-        _HELD.append(column)
-        try:
-            data = marshal.dumps(column, 2)
-        except ValueError:  # an object marshal refuses: the generic path decides
-            return None
-        if len(data) == 5 + 5 * rows and data[5::5] == b"i" * rows:
-            columns.append("i")
-        elif len(data) == 5 + 9 * rows and data[5::9] == b"g" * rows:
-            columns.append("g")
-        else:
-            kinds = set(map(type, column))
-            if not kinds <= _SCALARS:
-                return None
-            try:
-                if kinds != {int}:
-                    raise struct.error
-                data = _PACK(f"<{rows}q", *column)
-            except struct.error:  # not all ints, or an int outside int64
-                columns.append(column)
-                continue
-            columns.append("q")
-        blobs.append(data.decode("latin-1"))
-    return columns, keys, blobs
-
-
-def _exit_status(code):
-    """The exit status a Linux parent sees when CPython ends with ``SystemExit(code)``.
-
-    None is 0. An int is converted to a C long long and truncated to int (-1 if it does not
-    fit a long long), and the kernel keeps the low 8 bits. Anything else is printed to stderr
-    and is 1.
-    """
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        code = int.__index__(code)  # its value, whatever an int subclass overrides
-        return code & 0xFF if -2**63 <= code < 2**63 else 255
-    try:
-        print(code, file=sys.stderr)
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    return 1
+wasibox_job.hide_from_warnings(WitWorld.execute, _execute)
 
 
 def _heap_top():
@@ -1026,7 +339,7 @@ def _warm_up():
     global _start
     real_start, _start = _start, (lambda: None)
     for job in jobs[:]:
-        jobs.append(dict(job, compiled=_compile_only(job["code"])))
+        jobs.append(dict(job, compiled=wasibox_job.compile_only(job["code"])))
         jobs.append({"op": "compile", "code": job["code"], "seed": 0})
     batches = [
         {"code": "def t(r):\n    return {'id': r['id'], 'total': r['price'] * r['qty']}",
@@ -1036,7 +349,7 @@ def _warm_up():
          "entry": "t", "seed": 0, "records": list(range(8))},
     ]
     for batch in batches[:]:
-        batches.append(dict(batch, compiled=_compile_only(batch["code"])))
+        batches.append(dict(batch, compiled=wasibox_job.compile_only(batch["code"])))
     for _ in range(8):
         for job in jobs:
             _execute(binascii.b2a_base64(marshal.dumps(job, 4)).decode("ascii"), scratch)
@@ -1048,8 +361,8 @@ def _warm_up():
             _execute(request + "\x00" + records, scratch)
     sys.stdout, sys.stderr = saved
     _start = real_start
-    linecache.cache.pop(_SOURCE_NAME, None)
-    _HELD.clear()
+    linecache.cache.pop(wasibox_job.SOURCE_NAME, None)
+    wasibox_batch.HELD.clear()
     gc.unfreeze()  # the warm-up batches froze what they made; let the final collection see it
 
 

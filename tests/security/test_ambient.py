@@ -64,7 +64,7 @@ FAILURES = {
     "os._exit": "import os\nos._exit(3)",
     "trap inside the guest": ("import sys\nstdio = sys.modules['wit_world.imports.stdio']\n"
                               "stdio.write(1, 'x' * (90 * 2**20))"),
-    "forged reply": ("import sys\nsys.modules['wasibox_guest']._encode = "
+    "forged reply": ("import sys\nsys.modules['wasibox_job'].encode_reply = "
                      "lambda fields: 'not base64!'"),
     "refused entropy request": ("import sys\nsys.modules['wit_world.imports.entropy']"
                                 ".random_bytes(2**30)"),

@@ -500,7 +500,7 @@ def test_a_forged_batch_reply_from_a_real_guest_fails_its_records_with_a_typed_e
     # The function's module replaces the runner's batch encoder: 10 million empty lists.
     code = ("import sys\n"
             "body = '{\"json\":[' + '[],' * 10**7 + '[]]}'\n"
-            "sys.modules['wasibox_guest']._encode_values = lambda values, errors: (body, [])\n"
+            "sys.modules['wasibox_batch'].encode_values = lambda values, errors: (body, [])\n"
             "def transform(record):\n    return record\n")
     with wasibox.Transform(code, on_error="collect") as t:
         out = t.map([1, 2])

@@ -20,7 +20,7 @@ from tests.security.conftest import HostBaseline, run_in_child_host
 
 pytestmark = pytest.mark.guest
 
-FORGE = "import sys\nsys.modules['wasibox_guest']._encode = lambda *fields: {reply}\n"
+FORGE = "import sys\nsys.modules['wasibox_job'].encode_reply = lambda *fields: {reply}\n"
 GOOD = '{"exit_code":0,"memory_error":false,"heap_top":0'
 
 
@@ -118,7 +118,7 @@ def _forged_value(prefix: bytes, unit: bytes, count: int) -> str:
             "reply = ('{\"exit_code\":0,\"memory_error\":false,\"heap_top\":0,\"value\":\"'\n"
             "         + value + '\"}')\n"
             "del value\n"
-            "sys.modules['wasibox_guest']._encode = lambda *fields: reply\n")
+            "sys.modules['wasibox_job'].encode_reply = lambda *fields: reply\n")
 
 
 def _array32(count: int) -> bytes:

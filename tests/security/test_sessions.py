@@ -19,7 +19,8 @@ from wasibox import Limit, SessionEnd
 
 pytestmark = pytest.mark.guest
 
-SUBVERT = "import sys\nrunner = sys.modules['wasibox_guest']\n"
+SUBVERT = ("import sys\nrunner = sys.modules['wasibox_guest']\n"
+           "job_core = sys.modules['wasibox_job']\n")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_a_subverted_runner_is_still_bounded_by_each_call(sandbox: wasibox.Sandb
 def test_a_forged_reply_in_a_session_is_a_protocol_error(sandbox: wasibox.Sandbox) -> None:
     with sandbox.session() as session:
         # This call's own reply is already the forged one.
-        assert not session.run(SUBVERT + "runner._encode = lambda *fields: '[' * 10**6").ok
+        assert not session.run(SUBVERT + "job_core.encode_reply = lambda *fields: '[' * 10**6").ok
         result = session.run("pass")
         assert result.error is not None and result.error.type == "ProtocolError"
         # The guest harmed only itself: its session goes on, bounded as before.
@@ -62,7 +63,7 @@ def test_a_session_cannot_plant_state_for_ordinary_runs(sandbox: wasibox.Sandbox
     with sandbox.session() as session:
         planted = session.run(SUBVERT + "import builtins, json\nbuiltins.planted = 1\n"
                               "json.dumps = lambda *a, **k: 'planted'\n"
-                              "runner._SESSION['namespace'] = {'planted': 1}")
+                              "job_core.SESSION['namespace'] = {'planted': 1}")
         assert planted.ok
         for _ in range(3):  # pooled and fresh instances alike
             probe = sandbox.run("import builtins, json\n"

@@ -9,7 +9,8 @@ An image is three files:
 * ``initramfs.cpio``: busybox-static, the kernel modules the guest needs (with everything
   they depend on, in load order), ``guest/microvm/init`` and the agent
   ``guest/microvm/agent.py`` with its mount support ``guest/microvm/wasibox_vm_files.py``
-  (and the host's dependency-free ``capabilities/files/refusals.py`` it imports).
+  (and the host's dependency-free ``capabilities/files/refusals.py`` it imports), the wasm
+  runner's job core ``guest/runner/wasibox_job.py`` and its ``host`` package.
 
 The kernel and root file system are slow to make (a minute or two) and are cached under a key
 of their recipe (suite, mirror, package list, this module's recipe version); the initramfs is
@@ -330,6 +331,9 @@ def _initramfs_inputs(base: Path) -> list[tuple[str, int, bytes]]:
                     (sources / "wasibox_vm_files.py").read_bytes()))
     # The host's own refusal reasons and depth limit, so the VM reports what the host would.
     entries.append(("wasibox_refusals.py", regular, Path(refusals.__file__).read_bytes()))
+    # The wasm runner's job core, unchanged: the agent runs each job with the same code.
+    entries.append(("wasibox_job.py", regular,
+                    (sources.parent / "runner" / "wasibox_job.py").read_bytes()))
     # The wasm guest's `import host` module, unchanged: the agent gives it the same channel.
     entries.append(("host", directory, b""))
     for module in sorted((sources.parent / "runner" / "host").glob("*.py")):
