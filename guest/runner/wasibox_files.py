@@ -26,7 +26,9 @@ import os
 import posix
 import posixpath
 import stat as _stat
+import sys
 import tokenize
+import types
 import weakref
 
 from componentize_py_types import Err
@@ -458,7 +460,9 @@ class FileIO(io.RawIOBase):
                 raise OSError(errno.EBADF, os.strerror(errno.EBADF), file)
         self._fd = fd
         self.name = name
-        self.mode = kind + ("b+" if updating else "b")
+        # As CPython names it: a file opened to read and write is "rb+", however opened
+        # ("w+" truncated it first; "a+" and "x+" keep their letter).
+        self.mode = ("r" if kind == "w" and updating else kind) + ("b+" if updating else "b")
         self._readable = kind == "r" or updating
         self._writable = kind != "r" or updating
 
@@ -640,6 +644,9 @@ _PATCHES = {
 
 def install():
     """Route open(), io.open and the os file functions through the host (once, at pre-init)."""
+    # By id, each with its original, which keeps the original alive (and its id unused).
+    replaced = {id(getattr(os, name)): (getattr(os, name), function)
+                for name, function in _PATCHES.items() if hasattr(os, name)}
     for name, function in _PATCHES.items():
         setattr(os, name, function)
         # importlib calls posix directly (its ``_os``); so does linecache's stat via os.
@@ -655,6 +662,37 @@ def install():
     os.supports_fd = {_os_stat, _truncate}
     os.supports_follow_symlinks = {_os_stat, _access, _utime, _chmod}
     os.supports_effective_ids = set()
+    _rebind_defaults(replaced)
+
+
+def _rebind_defaults(replaced):
+    """Point default arguments that captured an original os function at its replacement.
+
+    Modules imported before ``install`` (at pre-init) bound some as defaults, such as
+    tempfile's ``unlink=_os.unlink``: without this, NamedTemporaryFile never removed its
+    file from a mount. Module-level functions and the methods of module-level classes.
+    """
+    def swap(value):
+        original, replacement = replaced.get(id(value), (None, None))
+        return replacement if original is value else value
+
+    def rebind(function):
+        if not isinstance(function, types.FunctionType):
+            return
+        defaults = function.__defaults__
+        if defaults and any(swap(value) is not value for value in defaults):
+            function.__defaults__ = tuple(swap(value) for value in defaults)
+        for key, value in (function.__kwdefaults__ or {}).items():
+            if swap(value) is not value:
+                function.__kwdefaults__[key] = swap(value)
+
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if isinstance(value, type):
+                for member in list(vars(value).values()):
+                    rebind(getattr(member, "__func__", member))
+            else:
+                rebind(value)
 
 
 def flush_open():

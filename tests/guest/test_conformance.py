@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import wasibox
 from wasibox import Limit, Limits
 from wasibox.backends.wasm.traps import TRAP_KINDS, trap_kind
+from wasibox.capabilities.files.mount import STAGING_DIR
 
 pytestmark = pytest.mark.guest
 
@@ -178,6 +179,30 @@ def test_chmod_and_mkdir_modes_are_shown_and_published(tmp_path: Path) -> None:
     assert published == {"ro.txt": "0o444", "private": "0o750", "locked": "0o500",
                          "wo.txt": "0o200"}
     assert (tmp_path / "wo.txt").read_bytes() == b"y"
+
+
+def test_tempfile_cleans_up_on_a_mount_as_cpython_does(tmp_path: Path) -> None:
+    # tempfile is imported before the file layer is, and bound os.unlink as a default
+    # argument: NamedTemporaryFile then never removed its file (CPython's test_tempfile).
+    with wasibox.Sandbox(workspace=tmp_path) as sandbox:
+        result = sandbox.run(textwrap.dedent("""
+            import io, os, tempfile
+            with tempfile.NamedTemporaryFile(dir="/workspace") as named:
+                named.write(b"x")
+                print(os.path.exists(named.name))
+            print(os.path.exists(named.name))
+            with tempfile.TemporaryDirectory(dir="/workspace") as folder:
+                with tempfile.NamedTemporaryFile(dir=folder, delete=False) as kept:
+                    pass
+                os.unlink(kept.name)
+            print(os.path.exists(folder), sorted(os.listdir("/workspace")))
+            with open("/workspace/m", "w+b") as handle, io.FileIO("/workspace/m", "w+") as raw:
+                print(handle.mode, handle.raw.mode, raw.mode)
+            os.unlink("/workspace/m")
+        """))
+    assert result.ok, result.error
+    assert result.stdout.splitlines() == ["True", "False", "False []", "rb+ rb+ rb+"]
+    assert [path.name for path in tmp_path.iterdir()] in ([], [STAGING_DIR])
 
 
 @pytest.mark.parametrize("code, error", [
