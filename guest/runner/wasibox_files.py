@@ -644,23 +644,29 @@ _PATCHES = {
 
 def install():
     """Route open(), io.open and the os file functions through the host (once, at pre-init)."""
+    # Each replacement is wrapped in a staticmethod, which is callable and, unlike a plain
+    # function, never becomes a bound method: the originals are built-ins, and code keeps
+    # them as class attributes (``_unlink = os.unlink`` ... ``self._unlink(name)``).
+    patches = {name: staticmethod(function) for name, function in _PATCHES.items()}
     # By id, each with its original, which keeps the original alive (and its id unused).
-    replaced = {id(getattr(os, name)): (getattr(os, name), function)
-                for name, function in _PATCHES.items() if hasattr(os, name)}
-    for name, function in _PATCHES.items():
-        setattr(os, name, function)
+    replaced = {id(getattr(os, name)): (getattr(os, name), patch)
+                for name, patch in patches.items() if hasattr(os, name)}
+    for name, patch in patches.items():
+        setattr(os, name, patch)
         # importlib calls posix directly (its ``_os``); so does linecache's stat via os.
         if hasattr(posix, name):
-            setattr(posix, name, function)
-    builtins.open = io.open = _io.open = tokenize._builtin_open = _open
-    io.open_code = _io.open_code = _open_code
+            setattr(posix, name, patch)
+    opener = staticmethod(_open)
+    builtins.open = io.open = _io.open = tokenize._builtin_open = opener
+    io.open_code = _io.open_code = staticmethod(_open_code)
     io.FileIO = _io.FileIO = FileIO
     os.DirEntry = DirEntry
     # The originals support dir_fd and fd arguments; these do not, and library code
     # (shutil, glob, pathlib) asks these sets before trying.
     os.supports_dir_fd = set()
-    os.supports_fd = {_os_stat, _truncate}
-    os.supports_follow_symlinks = {_os_stat, _access, _utime, _chmod}
+    os.supports_fd = {patches["stat"], patches["truncate"]}
+    os.supports_follow_symlinks = {patches[name] for name in ("stat", "access", "utime",
+                                                              "chmod")}
     os.supports_effective_ids = set()
     _rebind_defaults(replaced)
 
