@@ -74,7 +74,7 @@ def test_failed_positions_are_skipped_by_columns() -> None:
     ("not json", 1),
     (reply({"columns": ["q"], "keys": ["n"]}, 2, tail="x" * 15), 2),    # short column
     (reply({"columns": ["d"], "keys": ["n"]}, 1, tail="x" * 8), 1),     # no such kind
-    (reply({"columns": ["q"], "keys": ["n"]}, 1, tail="\u0100" * 8), 1), # not bytes
+    (reply({"columns": ["q"], "keys": ["n"]}, 1, tail="\u0100" * 8), 1),  # not bytes
     (reply({"columns": [[1]], "keys": ["n", "n"]}, 1), 1),               # duplicate keys
     (reply({"columns": [[[1]]], "keys": ["n"]}, 1), 1),                  # nested in a column
     (reply({"json": [1, 2]}, 3), 3),                                     # wrong length

@@ -345,7 +345,6 @@ def valid_journal() -> bytes:
     return journal.dumps()
 
 
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_hostile_journal_file_is_a_typed_error_never_a_crash(draw: st.DataObject) -> None:

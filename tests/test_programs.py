@@ -310,7 +310,6 @@ def test_a_script_outside_every_mount_is_named_by_its_file_name(tmp_path: Path) 
     assert str(tmp_path) not in done.stdout + done.stderr
 
 
-
 def test_a_transform_imports_the_users_modules_from_python_path(project: Path) -> None:
     code = "from shop.checkout import total\n\ndef t(record):\n    return total(record)\n"
     transform = wasibox.Transform(code, entry="t", mounts=[Mount(project, "/src")],

@@ -304,7 +304,6 @@ def test_plugin_is_declared_as_a_pytest11_entry_point() -> None:
     assert 'wasibox = "wasibox.pytest_plugin"' in pyproject
 
 
-
 IDENTITY = "def same(x):\n    return x\n"
 RAISE = "def fail(text):\n    raise ValueError(text)\n"
 

@@ -370,6 +370,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _relay(stream: TextIO, guest_text: str) -> None:
     """Write guest text; to a terminal only with its control sequences made inert."""
     stream.write(inert(guest_text) if stream.isatty() else guest_text)
+
+
 def _env(items: Sequence[str]) -> dict[str, str]:
     """``--env NAME=VALUE`` (or ``NAME``: this process's own value) as the guest's
     environment; UsageError for a NAME this process does not have."""
@@ -383,7 +385,6 @@ def _env(items: Sequence[str]) -> dict[str, str]:
             value = os.environ[name]
         env[name] = value
     return env
-
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

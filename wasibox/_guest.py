@@ -192,7 +192,6 @@ def cached_guest_state() -> str:
     return f"not built yet (run `wasibox prepare`; cache: {directory})"
 
 
-
 def cached_package_guests() -> list[str]:
     """One line per guest built for a package set on this guest's base, for ``wasibox
     doctor``: the set's packages, its digest and the guest's sha256 (never builds)."""

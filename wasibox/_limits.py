@@ -66,7 +66,6 @@ def parse_size(value: int | str, name: str) -> int:
     return number
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True, init=False)
 class Limits:
     """What one run may use. Every field is enforced on every run.

@@ -54,4 +54,3 @@ def replay(journal: Journal | str | os.PathLike[str], *, check: bool = True,
         first = next(index for index, lines in enumerate(differences) if lines)
         raise ReplayMismatch(first, report.diff())
     return report
-

@@ -54,4 +54,3 @@ def test_what_the_handler_raises_reaches_the_caller() -> None:
 
     with Sandbox(backend=FakeBackend(handler)) as sb, pytest.raises(LookupError):
         sb.run("anything")
-

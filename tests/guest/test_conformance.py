@@ -366,4 +366,3 @@ def test_trap_kind_of_any_text_is_a_known_kind_or_none(message: str) -> None:
     kind, frames = trap_kind(message)
     assert kind is None or kind in TRAP_KINDS.values()
     assert all(isinstance(frame, str) for frame in frames)
-

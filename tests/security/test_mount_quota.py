@@ -109,6 +109,7 @@ def write_all(fd, total):
     return done
 """
 
+
 def guest(out: Path, code: str, *args: Any, quota_files: int = 10_000,
           quota_bytes: int = QUOTA) -> tuple[Any, list[tuple[int, int]]]:
     """Run ``main(*args)`` (with ``write_all``) in a guest with ``out`` mounted writable at
@@ -454,4 +455,3 @@ def _remove(top: Path) -> None:
         for name in dirs:
             os.rmdir(os.path.join(directory, name))
     os.rmdir(top)
-

@@ -417,4 +417,3 @@ def test_mcp_reports_hostile_text_and_keeps_the_session(mcp: McpSession, text: s
                           "raise ValueError('\\udc80' * 10**4)")
     assert "stdout truncated by the output limit" in huge and "limit exceeded: output" in huge
     assert mcp.run_python("print('alive')").count("alive") == 1
-

@@ -129,6 +129,8 @@ def _is_ssl_context(value: object) -> bool:
     import ssl  # here, not at the top: most runs never use HTTPS, and ssl is slow to import
 
     return isinstance(value, ssl.SSLContext)
+
+
 _default_tls_lock = threading.Lock()
 
 

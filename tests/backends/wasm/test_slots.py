@@ -65,4 +65,3 @@ def test_slots_are_scanned_only_when_more_stores_live_than_ever_before(tmp_path)
     for store in again:
         populator.track(store)
     assert populator.scans == 4
-

@@ -365,5 +365,3 @@ class _MicroVMSession(BackendSession):
         if vm is not None:
             vm.kill()
             self._directory.close()
-
-

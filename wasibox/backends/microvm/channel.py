@@ -90,4 +90,3 @@ class ConsoleRing:
 
     def text(self) -> str:
         return b"".join(self._data)[-self._size:].decode("utf-8", "replace")
-

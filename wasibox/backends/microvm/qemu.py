@@ -323,4 +323,3 @@ def _jailed(argv: list[str], readable: list[Path], writable: list[Path], kvm: bo
     if kvm:
         command += ["--dev-bind", "/dev/kvm", "/dev/kvm"]
     return [*command, "--", *argv]
-

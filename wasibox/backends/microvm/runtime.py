@@ -46,7 +46,6 @@ def emulation_allowed(explicit: bool | None) -> bool:
     return os.environ.get(ALLOW_EMULATION_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-
 # -- one VM ---------------------------------------------------------------------------------------
 
 class VM:
@@ -180,7 +179,6 @@ def run_directory() -> Iterator[RunPaths]:
         yield RunPaths(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
 
 
 # -- the process-wide runtime --------------------------------------------------------------------
@@ -362,4 +360,3 @@ def vm_modules() -> frozenset[str]:
 def microvm_available() -> bool:
     """True if this machine has what the microVM backend needs to start (QEMU)."""
     return shutil.which("qemu-system-x86_64") is not None
-

@@ -108,7 +108,6 @@ class Mount:
         return lexical_parts(self.guest_path)
 
 
-
 def check_mounts(mounts: Sequence[Mount]) -> tuple[Mount, ...]:
     """Validate a mount table: Mount objects, no guest path inside another, and no writable
     host directory inside another mount's. Raises UsageError."""

@@ -87,7 +87,6 @@ def _walk_error(stop: Blocked) -> FilesError:
     return _from_os(stop.error)
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class StatInfo:
     """The status of a file as the guest sees it (the WIT ``stat`` record)."""

@@ -379,7 +379,6 @@ class _Lock:
         os.close(self._fd)
 
 
-
 # -- publishing ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
