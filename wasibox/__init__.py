@@ -27,7 +27,8 @@ from ._errors import (
     WasiboxError,
 )
 from ._events import CapabilityEvent
-from ._journal import Journal, ReplayReport
+from ._journal import Journal
+from ._journal_replay import ReplayReport
 from ._limits import Limit, Limits
 from ._packages import Packages, guest_digest
 from ._replay import replay

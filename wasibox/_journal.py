@@ -47,21 +47,18 @@ diverged).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
 from ._errors import (
-    GuestDigestMismatch,
     JournalError,
-    SessionEnded,
     UsageError,
 )
 from ._limits import _FIELDS as LIMIT_FIELDS
@@ -73,7 +70,7 @@ if TYPE_CHECKING:
     from ._packages import PackageSet
     from .backends.base import Job, Policy
 
-__all__ = ["DEFAULT_JOURNAL_BYTES", "JOURNAL_VERSION", "Journal", "ReplayReport", "Tape"]
+__all__ = ["DEFAULT_JOURNAL_BYTES", "JOURNAL_VERSION", "Journal", "Tape"]
 
 #: The journal format's version: the value of the header's ``wasibox_journal`` key.
 JOURNAL_VERSION = 1
@@ -83,7 +80,7 @@ DEFAULT_JOURNAL_BYTES = 64 * 2**20
 _MARKER_RESERVE = 128
 #: The statuses of a boundary exchange: it answered, or it ended the run with a limit.
 _STATUSES = ("ok", "stop")
-_OUTCOME_FIELDS = ("ok", "exit_code", "stdout", "stderr", "stdout_truncated",
+OUTCOME_FIELDS = ("ok", "exit_code", "stdout", "stderr", "stdout_truncated",
                    "stderr_truncated", "error", "limit_exceeded", "fuel_used", "value")
 
 
@@ -338,7 +335,7 @@ class Tape:
     def refuse(self, kind: str, value: Any) -> None:
         """Raise JournalError: the journal's answer to ``kind`` is not one it can have."""
         self._diverge(f"boundary call {self._cursor} ({kind}) has an answer of the wrong "
-                      f"shape in the journal: {_clip(value)}")
+                      f"shape in the journal: {clip(value)}")
 
     def check_redone(self, kind: str, recorded: Any, redone: Any) -> None:
         """A file operation performed again must succeed or fail as it did (the same
@@ -348,7 +345,7 @@ class Tape:
                 else recorded[0] == redone[0])
         if not same:
             self._diverge(f"the mounted files changed since the snapshot: {kind} answered "
-                          f"{_clip(recorded)} then, {_clip(redone)} now")
+                          f"{clip(recorded)} then, {clip(redone)} now")
 
     def _diverge(self, message: str) -> None:
         self.diverged = self.diverged or message
@@ -591,9 +588,9 @@ def _check_event(value: Any, where: str) -> list[Any]:
 
 
 def _check_outcome(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or set(value) != set(_OUTCOME_FIELDS):
+    if not isinstance(value, dict) or set(value) != set(OUTCOME_FIELDS):
         raise JournalError(f"{where}: 'outcome' must name exactly "
-                           f"{', '.join(_OUTCOME_FIELDS)}")
+                           f"{', '.join(OUTCOME_FIELDS)}")
     for name in ("stdout", "stderr"):
         _want(value, name, str, where)
     for name in ("ok", "stdout_truncated", "stderr_truncated"):
@@ -603,193 +600,6 @@ def _check_outcome(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-# -- replay ------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ReplayReport:
-    """What a replay did: each call's result next to what the journal recorded."""
-
-    #: The replayed results, one per recorded call.
-    results: tuple[RunResult, ...]
-    #: For each call, its differences (empty when it matched), one line each.
-    differences: tuple[tuple[str, ...], ...]
-
-    @property
-    def ok(self) -> bool:
-        """True iff every call reproduced its recorded outputs and fuel."""
-        return not any(self.differences)
-
-    def diff(self) -> str:
-        """The differences, call by call, as text for a person."""
-        return "\n".join(f"call {index}: {line}" for index, lines in
-                         enumerate(self.differences) for line in lines)
-
-
-def load_snapshot(snapshot: Journal | bytes | str | os.PathLike[str]) -> Journal:
-    """A session snapshot (``Session.snapshot()``'s bytes, its file, or a Journal) checked
-    to be restorable here; raises as ``load_for_replay`` does, and JournalError for a
-    journal of runs rather than of a session."""
-    if isinstance(snapshot, bytes | bytearray):
-        snapshot = Journal.loads(bytes(snapshot))
-    journal, _ = load_for_replay(snapshot, DEFAULT_JOURNAL_BYTES)
-    if journal.kind != "session":
-        raise JournalError("this journal records runs, not a session: only a session's "
-                           "snapshot can be restored (replay it with wasibox.replay)")
-    return journal
-
-
-def load_for_replay(journal: Journal | str | os.PathLike[str], max_bytes: int,
-                    ) -> tuple[Journal, PackageSet | None]:
-    """The journal, read if it is a path, and checked to be replayable here; with the
-    package set its guest was built with (None for none).
-
-    A package set is found in the package cache only, never fetched, and its guest is built
-    from it if this machine has not built it yet. Raises JournalError for a journal that
-    cannot be read, was truncated, or names a package set whose wheels are not cached (the
-    message names them and the command that fetches them); GuestDigestMismatch if another
-    guest recorded it; GuestBuildError if the package set's guest cannot be built.
-    """
-    if not isinstance(journal, Journal):
-        try:
-            journal = Journal.load(journal, max_bytes=max_bytes)
-        except OSError as exc:
-            raise JournalError(f"the journal cannot be read: {exc.strerror}") from None
-    if journal.header is None:
-        raise JournalError("the journal has recorded nothing")
-    if journal.truncated:
-        raise JournalError(f"the journal was truncated at its bound of {journal.max_bytes} "
-                           "bytes when it was recorded, so it cannot be replayed; record "
-                           "again with a larger Journal(max_bytes=...) (--journal-bytes)")
-    if any(call.outcome is None for call in journal._calls):
-        raise JournalError("the journal ends inside a call (its outcome is missing)")
-    package_set = _cached_package_set(journal.header)
-    from ._guest import ensure_guest
-
-    current = ensure_guest(None, package_set).digest
-    if journal.header["guest_digest"] != current:
-        raise GuestDigestMismatch(journal.header["guest_digest"], current)
-    return journal, package_set
-
-
-def _cached_package_set(header: Mapping[str, Any]) -> PackageSet | None:
-    """The package set a (checked) header names, if its wheels are all in the package cache;
-    None for none. Raises JournalError naming what is missing and how to fetch it."""
-    pins = header["packages"]
-    if not pins:
-        return None
-    if "wheels" not in header:
-        raise JournalError(
-            f"the journal names its package set ({', '.join(pins)}) by versions only, as "
-            "wasibox did before it recorded each wheel's sha256, so the exact guest it ran "
-            "cannot be rebuilt; record the run again with this wasibox to replay it")
-    from ._packages import recorded_set
-
-    package_set = recorded_set(header["wheels"])
-    missing = package_set.uncached()
-    if missing:
-        flags = " ".join(f"--package {pin}" for pin in package_set.pins)
-        raise JournalError(
-            "the journal's package set needs wheels that are not in this machine's package "
-            "cache: " + ", ".join(f"{wheel.filename} (sha256 {wheel.sha256[:16]}...)"
-                                  for wheel in missing)
-            + f"; fetch them with `wasibox prepare {flags}` (adding the --find-links or "
-            "--index-url the recording machine used), then replay again. A wheel fetched "
-            "again must have the recorded sha256, or the replay is refused")
-    return package_set
-
-
-def replay_into(journal: Journal, run_call: Callable[[dict[str, Any], Tape], RunResult],
-                *, redo_files: bool = False,
-                ) -> tuple[list[RunResult], list[tuple[str, ...]]]:
-    """Replay each recorded call through ``run_call`` and compare it with its record.
-
-    Returns the results and each call's differences; stops after a call that found the
-    session ended (an earlier call ended it, which the recording did not). With
-    ``redo_files``, file operations are performed again (see ``Tape.redo_files``).
-    """
-    results: list[RunResult] = []
-    differences: list[tuple[str, ...]] = []
-    for index in range(journal.calls):
-        tape = replay_tape(journal, index)
-        tape.redo_files = redo_files
-        try:
-            result = run_call(replay_request(journal, index), tape)
-        except SessionEnded as exc:
-            differences.append((f"the replayed session had ended: {exc}",))
-            break
-        results.append(result)
-        recorded = journal._calls[index].outcome
-        assert recorded is not None
-        differences.append(compare(recorded, result, tape))
-    return results, differences
-
-
-def adopt(journal: Journal, into: Journal | None) -> Journal:
-    """``into`` (or a new Journal) holding ``journal``'s header and calls, to record more
-    calls after them (a restored session's); raises UsageError if ``into`` holds any."""
-    target = into if into is not None else Journal(max_bytes=journal.max_bytes)
-    with target._lock:
-        if target.header is not None:
-            raise UsageError("a restored session records into a journal of its own: pass "
-                             "a new wasibox.Journal (or a file path)")
-        target.header = journal.header
-        target._calls = list(journal._calls)
-        target._size = len(journal.dumps())
-    return target
-
-
-def replay_tape(journal: Journal, index: int) -> Tape:
-    """A tape that serves call ``index``'s recorded exchanges."""
-    return Tape(journal, journal._calls[index], replaying=True)
-
-
-def replay_request(journal: Journal, index: int) -> dict[str, Any]:
-    """Call ``index``'s request as ``Sandbox.run`` keywords (code first, under "code").
-
-    Raises JournalError if its arguments cannot be decoded.
-    """
-    request = journal._calls[index].request
-    keywords: dict[str, Any] = {
-        "code": request["code"], "limits": request["limits"],
-        "stdin": request["stdin"].encode("latin-1") if "stdin" in request else None,
-        "argv": request.get("argv"), "env": request.get("env"),
-        "filename": request.get("filename")}
-    if request["op"] == "call":
-        try:
-            args, kwargs = msgpack.unpackb(request["args"].encode("latin-1"), raw=False,
-                                           strict_map_key=False, max_bin_len=len(request["args"]),
-                                           max_str_len=len(request["args"]))
-            if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise ValueError("not [args, kwargs]")
-        except (ValueError, TypeError, msgpack.exceptions.ExtraData,
-                msgpack.exceptions.UnpackException) as exc:
-            raise JournalError(f"call {index}: its arguments cannot be decoded: "
-                               f"{str(exc)[:200]}") from None
-        keywords.update(entry=request["entry"], args=tuple(args), kwargs=kwargs)
-    return keywords
-
-
-def compare(recorded: Mapping[str, Any], result: RunResult, tape: Tape) -> tuple[str, ...]:
-    """How a replayed call differs from its record, one line per field (empty: it matched)."""
-    lines: list[str] = []
-    if tape.diverged is not None:
-        lines.append(f"the replay diverged: {tape.diverged}")
-    elif tape.unserved():
-        lines.append(f"the replay made {tape.unserved()} fewer boundary calls than recorded")
-    replayed = outcome_of(result)
-    for name in _OUTCOME_FIELDS:
-        if recorded[name] == replayed[name]:
-            continue
-        if name in ("stdout", "stderr"):
-            diff = difflib.unified_diff(recorded[name].splitlines(), replayed[name].splitlines(),
-                                        "recorded", "replayed", lineterm="", n=1)
-            lines.append(f"{name} differs:\n" + "\n".join(list(diff)[:40]))
-        else:
-            lines.append(f"{name}: recorded {_clip(recorded[name])}, "
-                         f"replayed {_clip(replayed[name])}")
-    return tuple(lines)
-
-
-def _clip(value: Any) -> str:
+def clip(value: Any) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 300 else text[:300] + f"... ({len(text):,} characters)"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 from ._errors import ReplayMismatch
-from ._journal import DEFAULT_JOURNAL_BYTES, Journal, ReplayReport, load_for_replay, replay_into
+from ._journal import DEFAULT_JOURNAL_BYTES, Journal
+from ._journal_replay import ReplayReport, load_for_replay, replay_into
 from ._limits import Limits
 from ._sandbox import Sandbox
 

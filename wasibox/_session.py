@@ -211,7 +211,8 @@ class Session:
     def _restore(self, snapshot: bytes | str | os.PathLike[str] | Journal) -> None:
         """Bring this new session to ``snapshot``'s state by re-executing its calls."""
         from ._errors import ReplayMismatch
-        from ._journal import adopt, header_for, journal_digest, load_snapshot, replay_into
+        from ._journal import header_for, journal_digest
+        from ._journal_replay import adopt, load_snapshot, replay_into
 
         journal = load_snapshot(snapshot)
         header = header_for("session", journal_digest(self._backend),
