@@ -73,6 +73,10 @@ def _call(function, *args, filename=None, filename2=None):
         return function(*args)
     except Err as exc:
         code = exc.value
+        # The binding's frame, raising it, holds it: a cycle through the traceback that kept
+        # every caller's frame (and their locals) alive until a collection, where CPython's
+        # C functions free them at once. with_traceback, as the Err is a frozen dataclass.
+        exc.with_traceback(None)
     # Raised outside the except block: the binding's Err (a frozen dataclass) must not become
     # the OSError's __context__, where unittest, cleaning tracebacks, would try to assign
     # its __traceback__ and fail.

@@ -326,6 +326,7 @@ def _warm_up():
     """Run typical jobs a few times now, so the snapshot holds the interpreter's specialised
     bytecode and warm caches: a fresh instance then writes (and copies) fewer pages."""
     saved = sys.stdout, sys.stderr
+    threshold = gc.get_threshold()  # a batch raises it for its own instance (wasibox_batch)
     scratch = tuple(io.TextIOWrapper(io.BytesIO(), encoding="utf-8", line_buffering=buffering)
                     for buffering in (False, True))
 
@@ -364,6 +365,9 @@ def _warm_up():
     linecache.cache.pop(wasibox_job.SOURCE_NAME, None)
     wasibox_batch.HELD.clear()
     gc.unfreeze()  # the warm-up batches froze what they made; let the final collection see it
+    # Runs start with CPython's own collection thresholds, not the warm-up batches' raised
+    # one: with it, cyclic garbage (a program's, or its frames') lived 25 times longer.
+    gc.set_threshold(*threshold)
 
 
 _warm_up()

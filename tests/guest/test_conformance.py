@@ -203,10 +203,20 @@ def test_tempfile_cleans_up_on_a_mount_as_cpython_does(tmp_path: Path) -> None:
             Kept()._open("/workspace/m", "rb").close()
             print(Kept()._stat("/workspace/m").st_size, os.stat in os.supports_fd)
             Kept()._unlink("/workspace/m")
+
+            class Made:  # as test_tempfile's mktemped: freed at once, no collection needed
+                def __init__(self):
+                    self.name = tempfile.mktemp(dir="/workspace")  # its lstat fails: ENOENT
+                    os.close(os.open(self.name, os.O_CREAT | os.O_RDWR, 0o600))
+                def __del__(self):
+                    os.unlink(self.name)
+            Made()
+            import gc
+            print(os.listdir("/workspace"), gc.get_threshold())
         """))
     assert result.ok, result.error
     assert result.stdout.splitlines() == ["True", "False", "False []", "rb+ rb+ rb+",
-                                          "0 True"]
+                                          "0 True", "[] (2000, 10, 0)"]
     assert [path.name for path in tmp_path.iterdir()] in ([], [STAGING_DIR])
 
 
