@@ -22,7 +22,7 @@ from typing import Any
 
 import wasibox
 from wasibox._batch import batch_elements, decode_batch_reply, encode_records
-from wasibox._transform import BATCH_REPLY_LIMIT
+from wasibox._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 
 CODE = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
 RATIO_TARGET = 8.0
@@ -122,11 +122,21 @@ def main() -> None:
     print(f"  of a {size:,}-record batch: host encode {encode_cpu * 1e3:.0f} ms CPU, guest "
           f"{outcome.duration_s * 1e3:.0f} ms, host decode {decode_cpu * 1e3:.0f} ms CPU")
     guest_phases(payload, size, limits, outcome.fuel_used)
+    # The target is for what users get, the default batch size; the best size is context.
     wall = min(elapsed for elapsed, _ in results.values()) / host_s
     cpu = min(cpu for _, cpu in results.values()) / host_cpu
-    print(f"summary: best ratio to host CPython {wall:.1f}x wall, {cpu:.1f}x CPU (target <= "
-          f"{RATIO_TARGET:.0f}x: {'met' if wall <= RATIO_TARGET else 'MISSED'}; the CPU ratio "
-          f"is the steadier one on a busy machine)")
+    print(f"  best of the sizes measured: {wall:.1f}x wall, {cpu:.1f}x CPU")
+    if DEFAULT_BATCH_SIZE not in results:
+        print(f"summary: the default batch size ({DEFAULT_BATCH_SIZE:,}) was not measured; "
+              f"the target applies to it")
+        return
+    elapsed, cpu_s = results[DEFAULT_BATCH_SIZE]
+    wall, cpu = elapsed / host_s, cpu_s / host_cpu
+    verdict = "met" if max(wall, cpu) <= RATIO_TARGET else (
+        "met on wall time, MISSED on CPU" if wall <= RATIO_TARGET else "MISSED")
+    print(f"summary: at the default batch size ({DEFAULT_BATCH_SIZE:,}) {wall:.1f}x host "
+          f"CPython's wall time, {cpu:.1f}x its CPU (target <= {RATIO_TARGET:.0f}x: {verdict}; "
+          f"the CPU ratio is the steadier one on a busy machine)")
 
 
 def guest_phases(payload: bytes, count: int, limits: wasibox.Limits, total: int) -> None:
