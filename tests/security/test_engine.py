@@ -18,7 +18,12 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as cm
 
 from tests.conftest import PYTHON, child_env
-from wasibox.backends.wasm.engine import ENGINE_SETTINGS, MAX_WASM_STACK, MIN_HOST_STACK
+from wasibox.backends.wasm.engine import (
+    ENGINE_SETTINGS,
+    MAX_WASM_STACK,
+    MIN_HOST_STACK,
+    engine_config,
+)
 from wasibox.backends.wasm.runtime import runtime
 from wasibox.backends.wasm.stack import thread_stack_bytes
 
@@ -53,12 +58,7 @@ def engine() -> wasmtime.Engine:
 
 def _settings_engine(strategy: int) -> wasmtime.Engine:
     """A fresh engine with wasibox's settings but the given compiler (1 Cranelift, 2 Winch)."""
-    config = wasmtime.Config()
-    for name, value in ENGINE_SETTINGS.items():
-        if hasattr(wasmtime.Config, name):
-            setattr(config, name, value)
-        else:
-            getattr(ffi, f"wasmtime_config_{name}_set")(config.ptr(), value)
+    config = engine_config()
     ffi.wasmtime_config_strategy_set(config.ptr(), strategy)
     return wasmtime.Engine(config)
 
