@@ -464,10 +464,11 @@ class FileSession:
 
         self._with_own_inode(mounted, rel, change)
 
-    def utime(self, path: str, atime: int, mtime: int, now: bool) -> None:
+    def utime(self, path: str, atime: int, mtime: int) -> None:
+        """Set the times (nanoseconds); the backend turns the guest's "now" into its run's
+        clock's time, never the host's. Raises FilesError."""
         mounted, rel, _ = self._mutable(path)
-        self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd) if now
-                             else os.utime(fd, ns=(atime, mtime)))
+        self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd, ns=(atime, mtime)))
 
     def link(self, src: str, dst: str) -> None:
         self._locate(src)
