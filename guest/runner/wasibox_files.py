@@ -13,7 +13,10 @@ calling the originals some other way) gains the guest nothing: the originals see
 
 Descriptors the host hands out are plain ints (from 256 up); functions given any other
 descriptor fall through to the original (stdio). ``dir_fd`` arguments are not supported,
-and ``os.supports_dir_fd`` says so, so library code does not try them.
+and ``os.supports_dir_fd`` says so, so library code does not try them. Arguments are checked
+as CPython's C functions check them (paths by ``_convert``, as its ``path_t`` converter),
+with the same exceptions, before anything reaches the host interface, whose bindings would
+abort the guest on a value of the wrong type or size.
 
 This module never imports the host package.
 """
