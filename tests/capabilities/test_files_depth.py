@@ -110,7 +110,7 @@ def test_one_level_past_the_cap_is_enametoolong(tree: dict[str, Path]) -> None: 
 
 @settings(max_examples=30, deadline=None)
 @given(depth=AROUND_THE_CAP)
-def test_a_planted_tree_is_published_to_the_cap_and_refused_below_it(depth: int) -> None:
+def test_a_planted_tree_is_published_to_the_cap_and_refused_past_it(depth: int) -> None:
     with tempfile.TemporaryDirectory() as host:
         with FileSession([wasibox.Mount(host, "/out", writable=True)], 8) as session:
             bottom = session.trees["/out"].joinpath(*chain(depth))
