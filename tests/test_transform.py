@@ -13,7 +13,7 @@ import pytest
 import wasibox
 from wasibox._batch import encode_records
 
-from .conftest import PYTHON, child_env
+from .conftest import PYTHON, child_env, run_path_backend
 
 pytestmark = pytest.mark.guest
 
@@ -292,11 +292,6 @@ def batch_sizes(seen: list[wasibox.TransformProgress]) -> list[int]:
     return [after - before for before, after in zip(done, done[1:], strict=False)]
 
 
-def batch_fuel(seen: list[wasibox.TransformProgress]) -> list[int]:
-    fuel = [0, *(p.fuel_used for p in seen)]
-    return [after - before for before, after in zip(fuel, fuel[1:], strict=False)]
-
-
 @pytest.fixture
 def small_auto_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Automatic batches that start at 10 records and grow to at most 1,000: the sizing
@@ -320,14 +315,36 @@ def test_auto_batches_grow_while_the_limits_have_room(small_auto_batches: None) 
     assert runs[0] == runs[1]  # sizes, and so fuel, are deterministic
 
 
+def test_auto_batches_are_the_same_on_both_run_paths(small_auto_batches: None) -> None:
+    records = orders(700)
+    runs = []
+    for path in ("python", "native"):
+        backend = run_path_backend(path)
+        seen: list[wasibox.TransformProgress] = []
+        with wasibox.Transform(TOTAL, backend=backend) as t:
+            out = t.map(records, progress=seen.append)
+            runs.append((out, batch_sizes(seen), t.fuel_used))
+        backend.close()
+    assert runs[0] == runs[1]
+    assert runs[0][0] == expected(records) and runs[0][1] == [10, 10, 40, 160, 480]
+
+
 def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None) -> None:
     fuel = 20_000_000
     seen: list[wasibox.TransformProgress] = []
     records = orders(1500)
     with wasibox.Transform(TOTAL, limits=wasibox.Limits(fuel=fuel)) as t:
         assert t.map(records, progress=seen.append) == expected(records)
-    sizes, burnt = batch_sizes(seen), batch_fuel(seen)
-    assert all(p.split == 0 for p in seen)
+        sizes = batch_sizes(seen)
+        assert all(p.split == 0 for p in seen)
+        # Each batch again on its own (progress's fuel may already count the batch that runs
+        # ahead): the same records burn the same fuel.
+        burnt = []
+        starts = [0, *(p.done for p in seen)]
+        for first, end in zip(starts, starts[1:], strict=False):
+            before = t.fuel_used
+            t.map(records[first:end], batch_size=end - first, progress=False)
+            burnt.append(t.fuel_used - before)
     # Sized from the fuel per record of the batch two before, fixed cost included: never
     # above the share, and held below fourfold growth by it (the last batch is what is left).
     assert all(used <= fuel // wasibox._transform.AUTO_FUEL_SHARE for used in burnt[2:])
