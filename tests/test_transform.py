@@ -138,6 +138,15 @@ def test_on_error_raise_names_the_global_index() -> None:
         assert "bad record 3" in info.value.message
 
 
+def test_imap_delivers_the_outputs_before_a_failed_record_then_raises() -> None:
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000)) as t:
+        stream = t.imap([0, 1, 2, 3, 4], batch_size=5, progress=False)
+        assert [next(stream), next(stream), next(stream)] == [0, 10, 20]
+        with pytest.raises(wasibox.GuestError, match="bad record 3") as info:
+            next(stream)
+        assert info.value.index == 3
+
+
 def test_on_error_skip_drops_failed_records() -> None:
     with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
                            on_error="skip") as t:
