@@ -17,7 +17,8 @@ How a map runs:
   ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far) and to send
   at most ``1/AUTO_MEMORY_SHARE`` of the memory limit (by the bytes per record), and never
   more than ``MAX_AUTO_BATCH``; after a batch had to be split, the batches that follow are
-  half its size and stop growing. Fuel and sizes are deterministic, so the sizes are too.
+  half its size and stop growing. The sizes follow only from fuel and bytes, which are
+  deterministic, and so are they.
 * **Pipelining.** While one batch is decoded on the calling thread, the next one already
   runs (wasm runs without the GIL), so at most two batches are in memory, and a batch may
   run before an earlier record's failure is raised.
@@ -66,10 +67,11 @@ BATCH_REPLY_LIMIT = 256 * 2**20
 #: Records per batch unless a transform or a map says otherwise: sized automatically. A
 #: batch's fixed cost (making, priming and dropping an instance, and the threads' hand-offs:
 #: ~5-15 ms of CPU) dwarfed 1,000 small records' own work, and was still a fifth of a map's
-#: CPU at 10,000: over 100,000 records of numbers, CPU against host CPython was 15x at 5,000,
-#: 11x at 10,000, 9.3x at 25,000 and 8.6x in one batch (``python bench/transform.py``). A
-#: fixed large size would make batches of slow or large records exceed the limits, and a
-#: batch that exceeds one is split and re-run, paying for the part that ran twice.
+#: CPU at 10,000: 100,000 records of numbers took 605 ms of CPU at 5,000 a batch, 461 at
+#: 10,000, 370 at 25,000 and 344 in one batch, on a loaded machine (``python
+#: bench/transform.py``). A fixed large size would make batches of slow or large records
+#: exceed the limits, and a batch that exceeds one is split and re-run, paying for the part
+#: that ran twice.
 DEFAULT_BATCH_SIZE: BatchSize = "auto"
 #: The first batches of an automatically sized map: the size every map had before sizes
 #: adapted, so a map whose records are too slow or large for it fares no worse than then.
