@@ -91,6 +91,12 @@ wasibox_packed.install()
 # -- build time: the run-time environment ---------------------------------------------------
 
 
+# The builtins the output streams and ``_heap_top`` use, bound here: they run after the
+# program, which may have deleted or replaced the builtins (a one-shot run does not put them
+# back, see wasibox_job.run_job), and its output and reply must not depend on that.
+_bytes, _id, _len, _MemoryError = bytes, id, len, MemoryError
+
+
 class _HostStream(io.RawIOBase):
     """Raw bytes to the host's bounded output sink, one char per byte."""
 
@@ -101,9 +107,9 @@ class _HostStream(io.RawIOBase):
         return True
 
     def write(self, data):
-        size = len(data)
+        size = _len(data)
         if size:
-            _stdio.write(self._fd, bytes(data).decode("latin-1"))
+            _stdio.write(self._fd, _bytes(data).decode("latin-1"))
         return size
 
 
@@ -290,14 +296,18 @@ def _program(code, compiled, filename):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
-    not its compilation. Compiling allocates far more than loading, so the collector runs
-    first, to start the program from the same state either way.
+    not its compilation. The collector runs first, so that the program starts with no
+    garbage of the runner's (compiling makes far more than loading).
     """
     if compiled is None:
         program = compile(code, filename, "exec", dont_inherit=True)
+        gc.collect()
     else:
         program = marshal.loads(compiled)
-    gc.collect()
+        # Loading made only a few young objects: collecting the young generations leaves
+        # them where a full collection would (in the oldest), at a quarter of its fuel (a
+        # full one also walks the old generation and empties every free list).
+        gc.collect(1)
     _start()
     return program
 
@@ -314,9 +324,9 @@ def _heap_top():
     size is the block's end.
     """
     try:
-        block = bytes(1 << 12)
-        return id(block) + len(block)
-    except MemoryError:
+        block = _bytes(1 << 12)
+        return _id(block) + _len(block)
+    except _MemoryError:
         return 0
 
 
