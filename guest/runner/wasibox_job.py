@@ -154,8 +154,9 @@ def encode_reply(exit_code, error, value, memory_error, heap_top):
     (which builds a new encoder per call), cost more fuel than a small program does.
     Raises TypeError, ValueError or OverflowError for a value msgpack cannot carry.
     """
-    head = ('{"exit_code":%d,"memory_error":%s,"heap_top":%d'
-            % (exit_code, "true" if memory_error else "false", heap_top))
+    # An f-string, not %-formatting, which cost ~2.4K more fuel per reply.
+    head = (f'{{"exit_code":{exit_code},"memory_error":'
+            f'{"true" if memory_error else "false"},"heap_top":{heap_top}')
     if error is None and value is None:  # most replies
         return head + "}"
     parts = [head]
