@@ -273,8 +273,12 @@ def _execute(request, streams):
     The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
     where msgpack's pure-Python decoder cost more fuel than a small program does.
     """
-    request, _, records = request.partition("\x00")  # a batch's records follow a NUL
-    job = marshal.loads(binascii.a2b_base64(request))
+    if request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
+        job = marshal.loads(request.encode("latin-1")[1:])
+        records = ""
+    else:  # a batch: its map in base64, then a NUL and its records
+        request, _, records = request.partition("\x00")
+        job = marshal.loads(binascii.a2b_base64(request))
     sys.stdout, sys.stderr = streams
     # A session's random stream is seeded once, by its first call, and then runs on.
     seed = job.get("seed")
@@ -363,7 +367,7 @@ def _warm_up():
         batches.append(dict(batch, compiled=wasibox_job.compile_only(batch["code"])))
     for _ in range(8):
         for job in jobs:
-            _execute(binascii.b2a_base64(marshal.dumps(job, 4)).decode("ascii"), scratch)
+            _execute("\x00" + marshal.dumps(job, 4).decode("latin-1"), scratch)
         for batch in batches:
             fields = {key: value for key, value in batch.items() if key != "records"}
             request = binascii.b2a_base64(marshal.dumps(dict(fields, op="batch"), 4),
