@@ -512,8 +512,8 @@ def compare(row: Row, ours: Wasibox, eryx: Eryx) -> None:
     if not candidates:
         return
     # Each test in a run of its own: run together, one that leaves the scratch directory
-    # behind (test_shutil's test_rmtree_above_recursion_limit, stopped by the mounts'
-    # depth cap) failed the next one too, which alone passes.
+    # behind (test_shutil's test_rmtree_above_recursion_limit, when the mounts' depth cap
+    # was 32 levels) failed the next one too, which alone passes.
     tests = test_ids(candidates)
     still: set[str] = set()
     outcomes = ours.run([Job(row.module, only=(test,)) for test in tests])

@@ -61,7 +61,8 @@ def test_round_trip_between_formats(tmp_path: Path, source: str, target: str) ->
     code.write_text(CODE)
     src, dst = tmp_path / f"in.{source}", tmp_path / f"out.{target}"
     write(src, RECORDS)
-    done = transform_cli(str(code), str(src), str(dst), "--batch-size", "10")
+    size = "auto" if source == target else "10"
+    done = transform_cli(str(code), str(src), str(dst), "--batch-size", size)
     assert done.returncode == 0, done.stderr
     assert read(dst) == EXPECTED
     summary = done.stderr.strip().splitlines()[-1]
@@ -93,6 +94,11 @@ def test_bad_inputs_are_reported_with_status_2(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "line 2" in bad.stderr
     missing = transform_cli(str(tmp_path / "nope.py"), str(broken), str(tmp_path / "o.jsonl"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+    for size in ("0", "many"):
+        refused = transform_cli(str(code), str(broken), str(tmp_path / "o.jsonl"),
+                                "--batch-size", size)
+        assert refused.returncode == 2
+        assert f"not a positive number of records or 'auto': '{size}'" in refused.stderr
 
 
 def test_help_explains_formats() -> None:

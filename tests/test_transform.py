@@ -11,8 +11,9 @@ import textwrap
 import pytest
 
 import wasibox
+from wasibox._batch import encode_records
 
-from .conftest import PYTHON, child_env
+from .conftest import PYTHON, child_env, run_path_backend
 
 pytestmark = pytest.mark.guest
 
@@ -135,6 +136,15 @@ def test_on_error_raise_names_the_global_index() -> None:
             t.map(range(10), progress=False)
         assert info.value.index == 3 and info.value.type == "ValueError"
         assert "bad record 3" in info.value.message
+
+
+def test_imap_delivers_the_outputs_before_a_failed_record_then_raises() -> None:
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000)) as t:
+        stream = t.imap([0, 1, 2, 3, 4], batch_size=5, progress=False)
+        assert [next(stream), next(stream), next(stream)] == [0, 10, 20]
+        with pytest.raises(wasibox.GuestError, match="bad record 3") as info:
+            next(stream)
+        assert info.value.index == 3
 
 
 def test_on_error_skip_drops_failed_records() -> None:
@@ -285,6 +295,101 @@ def test_fuel_is_deterministic_for_a_batch_size() -> None:
         assert t.fuel_used < fuels[0]  # fewer batches, less fixed cost
 
 
+def batch_sizes(seen: list[wasibox.TransformProgress]) -> list[int]:
+    """The records in each batch of a map, from its progress reports."""
+    done = [0, *(p.done for p in seen)]
+    return [after - before for before, after in zip(done, done[1:], strict=False)]
+
+
+@pytest.fixture
+def small_auto_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Automatic batches that start at 10 records and grow to at most 1,000: the sizing
+    rule of a map of 100,000 records, at the scale of a few hundred."""
+    monkeypatch.setattr(wasibox._transform, "FIRST_AUTO_BATCH", 10)
+    monkeypatch.setattr(wasibox._transform, "MAX_AUTO_BATCH", 1000)
+
+
+def test_auto_batches_grow_while_the_limits_have_room(small_auto_batches: None) -> None:
+    assert wasibox.TransformSpec(code=TOTAL).batch_size == "auto"
+    records = orders(1500)
+    runs = []
+    for _ in range(2):
+        seen: list[wasibox.TransformProgress] = []
+        with wasibox.Transform(TOTAL) as t:
+            assert t.map(records, progress=seen.append) == expected(records)
+            runs.append((batch_sizes(seen), t.fuel_used))
+    # The second batch starts before the first is settled, so it is the first's size; then
+    # each grows fourfold (the default limits have room for far more) up to the largest.
+    assert runs[0][0] == [10, 10, 40, 160, 640, 640]
+    assert runs[0] == runs[1]  # sizes, and so fuel, are deterministic
+
+
+def test_auto_batches_are_the_same_on_both_run_paths(small_auto_batches: None) -> None:
+    records = orders(700)
+    runs = []
+    for path in ("python", "native"):
+        backend = run_path_backend(path)
+        seen: list[wasibox.TransformProgress] = []
+        with wasibox.Transform(TOTAL, backend=backend) as t:
+            out = t.map(records, progress=seen.append)
+            runs.append((out, batch_sizes(seen), t.fuel_used))
+        backend.close()
+    assert runs[0] == runs[1]
+    assert runs[0][0] == expected(records) and runs[0][1] == [10, 10, 40, 160, 480]
+
+
+def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None) -> None:
+    fuel = 20_000_000
+    seen: list[wasibox.TransformProgress] = []
+    records = orders(1500)
+    with wasibox.Transform(TOTAL, limits=wasibox.Limits(fuel=fuel)) as t:
+        assert t.map(records, progress=seen.append) == expected(records)
+        sizes = batch_sizes(seen)
+        assert all(p.split == 0 for p in seen)
+        # Each batch again on its own (progress's fuel may already count the batch that runs
+        # ahead): the same records burn the same fuel.
+        burnt = []
+        starts = [0, *(p.done for p in seen)]
+        for first, end in zip(starts, starts[1:], strict=False):
+            before = t.fuel_used
+            t.map(records[first:end], batch_size=end - first, progress=False)
+            burnt.append(t.fuel_used - before)
+    # Sized from the fuel per record of the batch two before, fixed cost included: never
+    # above the share, and held below fourfold growth by it (the last batch is what is left).
+    assert all(used <= fuel // wasibox._transform.AUTO_FUEL_SHARE for used in burnt[2:])
+    assert any(size < 4 * before for before, size in zip(sizes[1:-1], sizes[2:-1], strict=True))
+    assert max(sizes) > 40
+
+
+def test_auto_batches_keep_to_a_share_of_the_memory_limit(small_auto_batches: None) -> None:
+    memory = 64 * 2**20
+    records = [{"id": i, "text": "x" * 2000} for i in range(1500)]
+    seen: list[wasibox.TransformProgress] = []
+    with wasibox.Transform("def transform(r):\n    return len(r['text'])\n",
+                           limits=wasibox.Limits(memory_bytes=memory)) as t:
+        assert t.map(records, progress=seen.append) == [2000] * 1500
+    sizes = batch_sizes(seen)
+    starts = [0, *(p.done for p in seen)]
+    sent = [len(encode_records(records[a:b])) for a, b in zip(starts, starts[1:], strict=False)]
+    share = memory // wasibox._transform.AUTO_MEMORY_SHARE
+    assert all(size <= share * 1.01 for size in sent)
+    assert 40 < max(sizes) < 4 * 160  # grew, then stopped at the share (~520 records)
+
+
+def test_auto_batches_after_a_split_are_halved_and_stop_growing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wasibox._transform, "FIRST_AUTO_BATCH", 8)
+    seen: list[wasibox.TransformProgress] = []
+    with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
+                           on_error="collect") as t:
+        out = t.map(range(40), progress=seen.append)
+    assert [type(item) for item in out[3:6]] == [wasibox.FailedRecord, int,
+                                                 wasibox.FailedRecord]
+    # Record 5 runs out of fuel in the first batch, which is split; the second had already
+    # started at the first size. The rest are half the split batch, and never grow.
+    assert batch_sizes(seen) == [8, 8] + [4] * 6
+
+
 def test_spec_is_plain_data_and_a_transform_pickles() -> None:
     t = wasibox.Transform(TOTAL, limits=wasibox.Limits(fuel=10**8), seed=3, batch_size=5)
     data = t.spec.to_dict()
@@ -302,6 +407,8 @@ def test_bad_arguments_are_usage_errors() -> None:
         wasibox.Transform(TOTAL, on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(wasibox.UsageError, match="batch_size"):
         wasibox.Transform(TOTAL, batch_size=0)
+    with pytest.raises(wasibox.UsageError, match="positive int or 'auto'"):
+        wasibox.Transform(TOTAL, batch_size="big")  # type: ignore[arg-type]
     with pytest.raises(wasibox.UsageError, match="option"):
         wasibox.Transform(TOTAL, no_such_option=1)
     with wasibox.Transform(TOTAL) as t:

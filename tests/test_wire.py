@@ -7,9 +7,18 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import wasibox
-from wasibox._wire import MAX_DEPTH, ProtocolError, decode_reply, encode_request
+from wasibox._wire import (
+    MAX_DEPTH,
+    ProtocolError,
+    Reply,
+    _decode_json_reply,
+    decode_reply,
+    encode_request,
+)
 
 #: An element cap no test value reaches.
 ELEMENTS = 2**20
@@ -36,6 +45,34 @@ def test_arguments_reach_the_guest_as_msgpack_delivers_them(
     args, kwargs = sandbox.call(code, "f", (1, 2), b"x", k={"t": (3,)})
     assert args == "([1, 2], b'x')"
     assert kwargs == "{'k': {'t': [3]}}"
+
+
+def _both_readings(text: str) -> tuple[Reply | str, Reply | str]:
+    """What ``decode_reply`` and the JSON parser's path make of ``text`` (a ProtocolError as
+    its type name)."""
+    readings: list[Reply | str] = []
+    for decode in (decode_reply, _decode_json_reply):
+        try:
+            readings.append(decode(text, 2**20, ELEMENTS))
+        except ProtocolError as exc:
+            readings.append(type(exc).__name__)
+    return readings[0], readings[1]
+
+
+@given(exit_code=st.integers(-3, 300), memory_error=st.booleans(),
+       heap_top=st.integers(-3, 2**70), compact=st.booleans())
+def test_a_plain_reply_reads_as_the_json_parser_reads_it(
+        exit_code: int, memory_error: bool, heap_top: int, compact: bool) -> None:
+    text = json.dumps({"exit_code": exit_code, "memory_error": memory_error,
+                       "heap_top": heap_top}, separators=(",", ":") if compact else None)
+    fast, parsed = _both_readings(text)
+    assert fast == parsed
+
+
+@given(tail=st.text(alphabet='0123456789-+.e,:}{ "truefalsheap_topmory', max_size=60))
+def test_a_forged_near_plain_reply_reads_as_the_json_parser_reads_it(tail: str) -> None:
+    fast, parsed = _both_readings('{"exit_code":' + tail)
+    assert fast == parsed
 
 
 def test_request_rejects_values_msgpack_cannot_carry() -> None:

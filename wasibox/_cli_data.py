@@ -186,8 +186,9 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     transform.add_argument("output", metavar="OUTPUT", help="where to write ('-' for stdout)")
     transform.add_argument("--entry", default="transform",
                            help="the function to apply (default: %(default)s)")
-    transform.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                           help="records per sandbox instance (default: %(default)s)")
+    transform.add_argument("--batch-size", type=_batch_size, default=DEFAULT_BATCH_SIZE,
+                           help="records per sandbox instance, or 'auto': sized from the "
+                                "fuel and bytes of the first batches (default: %(default)s)")
     transform.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                            help="stop at the first failed record, or skip failed records "
                                 "(default: %(default)s)")
@@ -231,6 +232,19 @@ def add_commands(commands: Any, limits_arguments: Any) -> None:
     package_arguments(fuzz)
     limits_arguments(fuzz)
     fuzz.set_defaults(handler=_cmd_fuzz)
+
+
+def _batch_size(text: str) -> int | Literal["auto"]:
+    """``--batch-size``: a positive count of records, or "auto"."""
+    if text == "auto":
+        return "auto"
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"not a positive number of records or 'auto': {text!r}")
+    return size
 
 
 def _mount_argument(parser: argparse.ArgumentParser, script: str) -> None:

@@ -11,11 +11,21 @@ How a map runs:
   the limit on its own. Splitting is deterministic, so the outputs never depend on the batch
   size. Records that re-run call host functions again: with ``functions=``, a host function
   may see the same record more than once, so make it idempotent (or use ``batch_size=1``).
+* **Batch sizes.** ``batch_size="auto"`` (the default) starts with batches of
+  ``FIRST_AUTO_BATCH`` records and then sizes each batch from the ones already settled: up
+  to ``AUTO_GROWTH`` times larger, as long as a batch is expected to use at most
+  ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far) and to send
+  at most ``1/AUTO_MEMORY_SHARE`` of the memory limit (by the bytes per record), and never
+  more than ``MAX_AUTO_BATCH``; after a batch had to be split, the batches that follow are
+  half its size and stop growing. The sizes follow only from fuel and bytes, which are
+  deterministic, and so are they.
 * **Pipelining.** While one batch is decoded on the calling thread, the next one already
   runs (wasm runs without the GIL), so at most two batches are in memory, and a batch may
   run before an earlier record's failure is raised.
 * **Determinism.** The same code, records, seed and batch size give the same outputs and the
-  same fuel in every process with the same guest digest. Outputs do not depend on the batch
+  same fuel in every process with the same guest digest (an automatic size included: it
+  follows only from the fuel and bytes of earlier batches, unless a batch was split for a
+  timeout, which depends on the machine). Outputs do not depend on the batch
   size as long as the function does not carry state from one record to the next (globals,
   ``random`` without a per-record seed, the virtual clock, which advances with the fuel
   burnt). Fuel does: each batch pays a fixed cost (a fresh instance, loading the code, the
@@ -46,18 +56,38 @@ from ._sandbox import Sandbox, sandbox_for
 from ._wire import ProtocolError
 from .backends.base import Backend
 
-__all__ = ["Failed", "FailedRecord", "Transform", "TransformProgress", "TransformSpec"]
+__all__ = ["BatchSize", "Failed", "FailedRecord", "Transform", "TransformProgress",
+           "TransformSpec"]
 
 OnError = Literal["raise", "skip", "collect"]
+#: Records per batch (one fresh instance each), or "auto": sized from the batches before.
+BatchSize = int | Literal["auto"]
 #: The largest batch reply accepted, in characters.
 BATCH_REPLY_LIMIT = 256 * 2**20
-#: Records per batch (one fresh instance each) unless a map says otherwise. A batch's fixed
-#: cost (making, priming and dropping an instance, ~5-10 ms of CPU with the reset of the
-#: memory it dirtied) dwarfed 1,000 small records' own work: over 100,000 records of strings
-#: and numbers, CPU against host CPython was 22x at 1,000, 11x at 5,000, 8.4x at 10,000 and
-#: 7.5x in one batch (``python bench/transform.py``). Limits apply per batch: a batch that
-#: exceeds one is split and re-run, and the progress output says so.
-DEFAULT_BATCH_SIZE = 10_000
+#: Records per batch unless a transform or a map says otherwise: sized automatically. A
+#: batch's fixed cost (making, priming and dropping an instance, and the threads' hand-offs:
+#: ~5-15 ms of CPU) dwarfed 1,000 small records' own work, and was still a fifth of a map's
+#: CPU at 10,000: 100,000 records of numbers took 605 ms of CPU at 5,000 a batch, 461 at
+#: 10,000, 370 at 25,000 and 344 in one batch, on a loaded machine (``python
+#: bench/transform.py``). A fixed large size would make batches of slow or large records
+#: exceed the limits, and a batch that exceeds one is split and re-run, paying for the part
+#: that ran twice.
+DEFAULT_BATCH_SIZE: BatchSize = "auto"
+#: The first batches of an automatically sized map: the size every map had before sizes
+#: adapted, so a map whose records are too slow or large for it fares no worse than then.
+FIRST_AUTO_BATCH = 10_000
+#: The most an automatic batch grows in one step, and the largest it gets: at 100,000 small
+#: records a batch's fixed cost is a few percent of its work, and the host holds two.
+AUTO_GROWTH = 4
+MAX_AUTO_BATCH = 100_000
+#: An automatic batch is expected to use at most this share of the fuel limit (by the fuel
+#: per record of earlier batches), leaving room for records dearer than those seen, and for
+#: a machine slower than ``FUEL_PER_SECOND`` when the fuel limit derives from the timeout.
+AUTO_FUEL_SHARE = 8
+#: ...and to send at most this share of the memory limit: the guest holds the records' bytes
+#: several times over (the request, its text, the bytes) beside the objects they decode to,
+#: ~19 times the bytes for records of small numbers.
+AUTO_MEMORY_SHARE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +150,7 @@ class TransformSpec:
     clock: Literal["virtual", "real"] = "virtual"
     entropy: Literal["seeded", "real"] = "seeded"
     on_error: OnError = "raise"
-    batch_size: int = DEFAULT_BATCH_SIZE
+    batch_size: BatchSize = DEFAULT_BATCH_SIZE
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible data; ``TransformSpec.from_dict`` reads it back."""
@@ -153,6 +183,10 @@ class Transform:
     LimitExceeded (with ``.index``), ``"skip"`` drops it, ``"collect"`` puts a
     ``wasibox.FailedRecord(index, error)`` in its place.
 
+    ``batch_size`` is the records per batch (each batch one fresh instance), or ``"auto"``
+    (the default): batches of 10,000 that grow as the fuel and bytes of the first ones show
+    the limits have room (see the module's docstring).
+
     Raises UsageError for a bad entry name, policy, batch size or sandbox option.
     """
 
@@ -166,7 +200,7 @@ class Transform:
         clock: Literal["virtual", "real"] = "virtual",
         entropy: Literal["seeded", "real"] = "seeded",
         on_error: OnError = "raise",
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_size: BatchSize = DEFAULT_BATCH_SIZE,
         backend: Literal["wasm"] | Backend = "wasm",
         functions: Any = None,
         http: Any = None,
@@ -223,26 +257,30 @@ class Transform:
         Raises GuestError or LimitExceeded (``index`` 0) when the record fails, whatever
         ``on_error`` says, and UsageError for a record that is not plain data.
         """
-        item = self._run([record], 0)[0]
+        item = self._run([record], 0)[0][0]
         if isinstance(item, FailedRecord):
             raise item.error
         return item
 
-    def map(self, records: Iterable[Any], *, batch_size: int | None = None,
+    def map(self, records: Iterable[Any], *, batch_size: BatchSize | None = None,
             on_error: OnError | None = None, start: int = 0,
             progress: bool | ProgressCallback | None = None) -> list[Any]:
         """Apply the function to every record; return the outputs in order.
 
-        ``start`` is the index of the first record, so that partitions of a larger input
-        report global indexes. ``progress`` is a callback (called after each batch with a
-        TransformProgress), True or False for a bar on stderr, or None: a bar when stderr
-        is a terminal. Raises as ``on_error`` says, and UsageError for bad arguments.
+        ``batch_size`` (None: the transform's) and ``on_error`` override the transform's
+        for this map. ``start`` is the index of the first record, so that partitions of a
+        larger input report global indexes. ``progress`` is a callback (called after each
+        batch with a TransformProgress), True or False for a bar on stderr, or None: a bar
+        when stderr is a terminal. Raises as ``on_error`` says, and UsageError for bad arguments.
         """
-        total = len(records) if isinstance(records, Sequence) else None
-        return list(self.imap(records, batch_size=batch_size, on_error=on_error, start=start,
-                              progress=progress, total=total))
+        outputs: list[Any] = []
+        # A batch's outputs at a time: a generator resumed per record cost ~70 ns each, a
+        # third of what host CPython spends per record on a small function.
+        for items in self._outputs_by_batch(records, batch_size, on_error, start, progress, None):
+            outputs += items
+        return outputs
 
-    def imap(self, records: Iterable[Any], *, batch_size: int | None = None,
+    def imap(self, records: Iterable[Any], *, batch_size: BatchSize | None = None,
              on_error: OnError | None = None, start: int = 0,
              progress: bool | ProgressCallback | None = None,
              total: int | None = None) -> Iterator[Any]:
@@ -251,6 +289,14 @@ class Transform:
         Memory stays bounded by the batch size whatever the length of ``records``.
         ``total`` (if known) lets the progress bar show a percentage.
         """
+        return itertools.chain.from_iterable(
+            self._outputs_by_batch(records, batch_size, on_error, start, progress, total))
+
+    def _outputs_by_batch(self, records: Iterable[Any], batch_size: BatchSize | None,
+                          on_error: OnError | None, start: int,
+                          progress: bool | ProgressCallback | None,
+                          total: int | None) -> Iterator[list[Any]]:
+        """``imap``'s outputs a batch at a time (checking the arguments now, not lazily)."""
         size = self.spec.batch_size if batch_size is None else batch_size
         policy = self.spec.on_error if on_error is None else on_error
         _check_batch_size(size)
@@ -259,9 +305,10 @@ class Transform:
             raise UsageError(f"start must be a non-negative int, not {start!r}")
         if total is None and isinstance(records, Sequence):
             total = len(records)
-        return self._imap(iter(records), size, policy, start, _reporter(progress), total)
+        return self._each_batch(iter(records), size, policy, start, _reporter(progress), total)
 
-    def fingerprint(self, records: Iterable[Any], *, batch_size: int | None = None) -> str:
+    def fingerprint(self, records: Iterable[Any], *,
+                    batch_size: BatchSize | None = None) -> str:
         """A stable digest of the outputs (and failures) for ``records``.
 
         Equal for equal outputs, whatever the process, machine or batch size; compare it
@@ -303,21 +350,27 @@ class Transform:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _imap(self, records: Iterator[Any], size: int, policy: OnError, start: int,
-              report: ProgressCallback | None, total: int | None) -> Iterator[Any]:
+    def _each_batch(self, records: Iterator[Any], size: BatchSize, policy: OnError,
+                    start: int, report: ProgressCallback | None,
+                    total: int | None) -> Iterator[list[Any]]:
         started = time.perf_counter()
         done = failed = 0
         fuel_before, splits_before = self._fuel_used, self._splits
         index = start
+        sizer = _AutoSize(self._sandbox.limits) if size == "auto" else None
         # Batches run one after another on a worker thread (wasm runs without the GIL) while
         # this thread encodes the next one and decodes the previous one: two batches in
         # memory at most, and the worker only ever runs wasm.
-        ahead: collections.deque[tuple[list[Any], int, Future[Outcome]]] = collections.deque()
+        ahead: collections.deque[tuple[list[Any], int, int, Future[Outcome]]] = (
+            collections.deque())
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wasibox-transform") as pool:
 
             def submit_next() -> None:
                 nonlocal index
-                if batch := list(itertools.islice(records, size)):
+                count = sizer.size if sizer is not None else size
+                assert isinstance(count, int)
+                if batch := list(itertools.islice(records, count)):
+                    payload = b""
                     try:
                         payload = self._payload(batch, index)
                     except UsageError as exc:  # raised in order, when this batch's turn comes
@@ -325,24 +378,31 @@ class Transform:
                         future.set_exception(exc)
                     else:
                         future = pool.submit(self._attempt, batch, index, payload)
-                    ahead.append((batch, index, future))
+                    ahead.append((batch, index, len(payload), future))
                     index += len(batch)
 
             try:
                 submit_next()
                 while ahead:
-                    batch, first, future = ahead.popleft()
+                    batch, first, sent, future = ahead.popleft()
+                    # Sized from the batches settled so far: the one just taken is still
+                    # running, so every map sizes its batches alike, whatever the timing.
                     submit_next()
-                    items = self._settle(batch, first, future.result())
+                    outcome = future.result()
+                    items, failures = self._settle(batch, first, outcome, sizer)
+                    if sizer is not None:
+                        sizer.settled(len(batch), sent, outcome.fuel_used)
                     done += len(batch)
-                    for item in items:
-                        if isinstance(item, FailedRecord):
-                            failed += 1
-                            if policy == "raise":
-                                raise item.error
-                            if policy == "skip":
-                                continue
-                        yield item
+                    if failures and policy == "raise":
+                        position = next(i for i, item in enumerate(items)
+                                        if isinstance(item, FailedRecord))
+                        failed += 1
+                        yield items[:position]  # the outputs before it are delivered first
+                        raise items[position].error
+                    failed += failures
+                    if failures and policy == "skip":
+                        items = [item for item in items if not isinstance(item, FailedRecord)]
+                    yield items
                     if report is not None:
                         report(TransformProgress(done=done, total=total, failed=failed,
                                                  fuel_used=self._fuel_used - fuel_before,
@@ -350,11 +410,12 @@ class Transform:
                                                  split=self._splits - splits_before,
                                                  split_reason=self._split_reason))
             finally:
-                for _, _, future in ahead:
+                for *_, future in ahead:
                     future.cancel()
 
-    def _run(self, batch: list[Any], index: int) -> list[Any]:
-        """Outputs (or FailedRecord) for ``batch``, whose first record has index ``index``."""
+    def _run(self, batch: list[Any], index: int) -> tuple[list[Any], int]:
+        """Outputs (or FailedRecord) for ``batch``, whose first record has index ``index``,
+        and how many are FailedRecord."""
         return self._settle(batch, index, self._attempt(batch, index))
 
     def _payload(self, batch: list[Any], index: int) -> bytes:
@@ -376,8 +437,10 @@ class Transform:
             self._batches += 1
         return outcome
 
-    def _settle(self, batch: list[Any], index: int, outcome: Outcome) -> list[Any]:
-        """Decode a batch's outcome; split and re-run it if it exceeded a limit."""
+    def _settle(self, batch: list[Any], index: int, outcome: Outcome,
+                sizer: _AutoSize | None = None) -> tuple[list[Any], int]:
+        """Decode a batch's outcome, as ``_run``'s result; split and re-run it if it exceeded
+        a limit (and then tell ``sizer``, which sizes the map's batches, if any)."""
         problem = outcome.limit_exceeded is not None or outcome.reply is None
         reason = outcome.limit_exceeded.value if outcome.limit_exceeded is not None else "reply"
         reply = None
@@ -391,7 +454,7 @@ class Transform:
                 if len(batch) == 1:
                     failure = GuestException(type="ProtocolError", message=str(exc),
                                              traceback="")
-                    return [self._failed(index, outcome, failure)]
+                    return [self._failed(index, outcome, failure)], 1
                 problem = True
             else:
                 # A MemoryError anywhere may be the batch's fault (everything it holds) and
@@ -402,20 +465,24 @@ class Transform:
             with self._lock:
                 self._splits += 1
                 self._split_reason = reason
+            if sizer is not None:
+                sizer.split(len(batch))
             middle = len(batch) // 2
-            return self._run(batch[:middle], index) + self._run(batch[middle:], index + middle)
+            left, left_failed = self._run(batch[:middle], index)
+            right, right_failed = self._run(batch[middle:], index + middle)
+            return left + right, left_failed + right_failed
         if reply is None:
-            return [self._failed(index, outcome, None)]
+            return [self._failed(index, outcome, None)], 1
         if reply.error is not None:
             failure = GuestException(**reply.error)
             return [self._failed(index + i, outcome, failure, memory=reply.memory_error)
-                    for i in range(len(batch))]
+                    for i in range(len(batch))], len(batch)
         items = reply.values
         for position, described in reply.errors.items():
             items[position] = self._failed(index + position, outcome,
                                            GuestException(**described),
                                            memory=described["type"] == "MemoryError")
-        return items
+        return items, len(reply.errors)
 
     def _failed(self, index: int, outcome: Outcome, failure: GuestException | None,
                 memory: bool = False) -> FailedRecord:
@@ -429,6 +496,35 @@ class Transform:
         error.index = index
         error.args = (f"record {index}: {error.args[0]}",)
         return FailedRecord(index, error)
+
+
+class _AutoSize:
+    """The size of a map's next batch when its batch_size is "auto" (see the module's
+    docstring): told about every batch once it has settled, in order."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        #: Records in the next batch.
+        self.size = FIRST_AUTO_BATCH
+        self._growing = True
+
+    def settled(self, count: int, sent: int, fuel_used: int) -> None:
+        """A batch of ``count`` records, ``sent`` bytes, that burnt ``fuel_used`` (its re-runs
+        not counted) has settled."""
+        if not self._growing:
+            return
+        # Per record, with the batch's fixed cost spread over its records: never less than
+        # a record costs, so a batch sized from it is if anything smaller than it could be.
+        fuel_room = self._limits.fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
+        byte_room = self._limits.memory_bytes * count // (AUTO_MEMORY_SHARE * max(sent, 1))
+        self.size = max(1, min(self.size * AUTO_GROWTH, MAX_AUTO_BATCH, fuel_room, byte_room))
+
+    def split(self, count: int) -> None:
+        """A batch of ``count`` records exceeded a limit (or sent a reply too large) and was
+        split: the limits have less room than its fuel and bytes suggested, or the machine
+        is slower than the fuel limit assumes."""
+        self._growing = False
+        self.size = max(1, min(self.size, count // 2))
 
 
 def _result_of(outcome: Outcome, sandbox: Sandbox, failure: GuestException | None,
@@ -453,8 +549,8 @@ def _check_on_error(on_error: object) -> None:
 
 
 def _check_batch_size(size: object) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise UsageError(f"batch_size must be a positive int, not {size!r}")
+    if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise UsageError(f"batch_size must be a positive int or 'auto', not {size!r}")
 
 
 def _marshallable(record: Any) -> bool:

@@ -857,7 +857,10 @@ def _rebind_defaults(replaced):
 def flush_open():
     """Flush what the program left open without closing it (between a session's calls, whose
     files stay open). Raises the first error, as ``finish`` does."""
-    if not _opened:  # most runs open nothing: iterating an empty WeakSet cost ~10K fuel
+    # Most runs open nothing: iterating an empty WeakSet cost ~10K fuel. Its ``data`` set is
+    # tested, not the WeakSet, whose ``__len__`` looks up ``len``, which the program may
+    # have deleted (a one-shot run does not restore the builtins: see wasibox_job.run_job).
+    if not _opened.data:
         return
     failure = None
     for handle in list(_opened):
@@ -874,7 +877,7 @@ def finish():
     """Close what the program left open, so buffered writes reach the host before it
     decides what to publish. Raises the first error (a flush that hit the quota): a file
     that could not be written whole must fail the run, so it is not published."""
-    if not _opened and not _fds:  # most runs open nothing: see flush_open
+    if not _opened.data and not _fds:  # most runs open nothing: see flush_open
         return
     failure = None
     for handle in list(_opened):

@@ -91,6 +91,12 @@ wasibox_packed.install()
 # -- build time: the run-time environment ---------------------------------------------------
 
 
+# The builtins the output streams and ``_heap_top`` use, bound here: they run after the
+# program, which may have deleted or replaced the builtins (a one-shot run does not put them
+# back, see wasibox_job.run_job), and its output and reply must not depend on that.
+_bytes, _id, _len, _MemoryError = bytes, id, len, MemoryError
+
+
 class _HostStream(io.RawIOBase):
     """Raw bytes to the host's bounded output sink, one char per byte."""
 
@@ -101,9 +107,9 @@ class _HostStream(io.RawIOBase):
         return True
 
     def write(self, data):
-        size = len(data)
+        size = _len(data)
         if size:
-            _stdio.write(self._fd, bytes(data).decode("latin-1"))
+            _stdio.write(self._fd, _bytes(data).decode("latin-1"))
         return size
 
 
@@ -267,8 +273,12 @@ def _execute(request, streams):
     The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
     where msgpack's pure-Python decoder cost more fuel than a small program does.
     """
-    request, _, records = request.partition("\x00")  # a batch's records follow a NUL
-    job = marshal.loads(binascii.a2b_base64(request))
+    if request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
+        job = marshal.loads(request.encode("latin-1")[1:])
+        records = ""
+    else:  # a batch: its map in base64, then a NUL and its records
+        request, _, records = request.partition("\x00")
+        job = marshal.loads(binascii.a2b_base64(request))
     sys.stdout, sys.stderr = streams
     # A session's random stream is seeded once, by its first call, and then runs on.
     seed = job.get("seed")
@@ -290,14 +300,18 @@ def _program(code, compiled, filename):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
-    not its compilation. Compiling allocates far more than loading, so the collector runs
-    first, to start the program from the same state either way.
+    not its compilation. The collector runs first, so that the program starts with no
+    garbage of the runner's (compiling makes far more than loading).
     """
     if compiled is None:
         program = compile(code, filename, "exec", dont_inherit=True)
+        gc.collect()
     else:
         program = marshal.loads(compiled)
-    gc.collect()
+        # Loading made only a few young objects: collecting the young generations leaves
+        # them where a full collection would (in the oldest), at a quarter of its fuel (a
+        # full one also walks the old generation and empties every free list).
+        gc.collect(1)
     _start()
     return program
 
@@ -314,9 +328,9 @@ def _heap_top():
     size is the block's end.
     """
     try:
-        block = bytes(1 << 12)
-        return id(block) + len(block)
-    except MemoryError:
+        block = _bytes(1 << 12)
+        return _id(block) + _len(block)
+    except _MemoryError:
         return 0
 
 
@@ -353,7 +367,7 @@ def _warm_up():
         batches.append(dict(batch, compiled=wasibox_job.compile_only(batch["code"])))
     for _ in range(8):
         for job in jobs:
-            _execute(binascii.b2a_base64(marshal.dumps(job, 4)).decode("ascii"), scratch)
+            _execute("\x00" + marshal.dumps(job, 4).decode("latin-1"), scratch)
         for batch in batches:
             fields = {key: value for key, value in batch.items() if key != "records"}
             request = binascii.b2a_base64(marshal.dumps(dict(fields, op="batch"), 4),

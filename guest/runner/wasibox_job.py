@@ -7,8 +7,9 @@ do not differ in what running it means. This module holds that part once: the pr
 ``sys.argv``, ``sys.path``, ``os.environ`` and stdin from the job; running its code in a
 fresh ``__main__`` namespace (or a session's), then calling its entry function; describing an
 exception without the runner's frames; turning ``SystemExit`` into the exit status a Linux
-parent would see; putting back the builtins the program may have replaced; and writing the
-reply (its shape is in ``wasibox/_wire.py``).
+parent would see; putting back the builtins the program may have replaced, where the reply
+or a session's next call needs them; and writing the reply (its shape is in
+``wasibox/_wire.py``).
 
 Like the rest of the guest, this is not a security boundary: the program controls the whole
 interpreter, this module included, and the host treats every reply as hostile.
@@ -139,6 +140,10 @@ def exit_status(code):
 
 
 _json_string = json.encoder.encode_basestring_ascii  # C; escapes lone surrogates too
+# The builtins ``run_job`` uses between the program's end and the restoring of the builtins
+# (which a one-shot run's common reply skips): the program may have deleted or replaced them.
+_BaseException, _MemoryError, _SystemExit, _callable = (
+    BaseException, MemoryError, SystemExit, callable)
 
 
 def encode_reply(exit_code, error, value, memory_error, heap_top):
@@ -149,8 +154,9 @@ def encode_reply(exit_code, error, value, memory_error, heap_top):
     (which builds a new encoder per call), cost more fuel than a small program does.
     Raises TypeError, ValueError or OverflowError for a value msgpack cannot carry.
     """
-    head = ('{"exit_code":%d,"memory_error":%s,"heap_top":%d'
-            % (exit_code, "true" if memory_error else "false", heap_top))
+    # An f-string, not %-formatting, which cost ~2.4K more fuel per reply.
+    head = (f'{{"exit_code":{exit_code},"memory_error":'
+            f'{"true" if memory_error else "false"},"heap_top":{heap_top}')
     if error is None and value is None:  # most replies
         return head + "}"
     parts = [head]
@@ -217,7 +223,9 @@ def run_job(job, streams, load=_compile, finish=_nothing_to_finish, heap_top=_no
     from the ``compiled`` bytes the host sent). ``finish(session)`` runs after the program,
     before ``streams`` are flushed; what it raises fails a run that had not failed.
     ``heap_top()`` is the reply's floor for the memory in use (0 where the host measures
-    it). Never raises for what the program does.
+    it). Flushing ``streams`` and ``heap_top`` must not look up builtins: a one-shot run
+    does not put back the ones its program deleted or replaced. Never raises for what the
+    program does.
     """
     code = job["code"]
     filename = job.get("filename", SOURCE_NAME)
@@ -243,30 +251,41 @@ def run_job(job, streams, load=_compile, finish=_nothing_to_finish, heap_top=_no
         if job.get("op") == "call":
             entry = job.get("entry")
             function = namespace.get(entry)
-            if not callable(function):
+            if not _callable(function):
                 raise NameError(f"the code defines no callable named {entry!r}")
             value = function(*job.get("args", ()), **job.get("kwargs", {}))
-    except SystemExit as exc:
+    except _SystemExit as exc:
+        restore_builtins()  # from here on the runner's code runs, which needs them
         exit_code = exit_status(exc.code)
-    except MemoryError as exc:
+    except _MemoryError as exc:
+        restore_builtins()
         memory_error = True
         error = describe(exc)
         exit_code = 1
-    except BaseException as exc:
+    except _BaseException as exc:
+        restore_builtins()
         error = describe(exc)
         exit_code = 1
     try:
         finish(session)
-    except BaseException as exc:
+    except _BaseException as exc:
         if error is None and exit_code == 0:
+            restore_builtins()
             error = describe(exc)
             exit_code = 1
     for stream in streams:
         try:
             stream.flush()
-        except BaseException:
+        except _BaseException:
             pass
-    # The program may have replaced builtins the reply's encoder relies on.
+    if error is None and value is None and not session:
+        # The most common reply, of a one-shot instance: its fixed shape needs no builtins
+        # (``heap_top`` and ``streams`` must not either), and nothing runs in this instance
+        # after it, so whatever the program did to the builtins can stay (restoring them
+        # was a sixth of a small run's fuel). Every other path restores them first.
+        return encode_reply(exit_code, None, None, memory_error, heap_top())
+    # The program may have replaced builtins the reply's encoder relies on, and a session's
+    # next call starts from the pristine ones.
     restore_builtins()
     try:
         return encode_reply(exit_code, error, value, memory_error, heap_top())

@@ -99,9 +99,9 @@ class Job:
         return {
             "op": self.op,
             "code": self.code,
-            "entry": self.entry,
-            "args": list(self.args),
-            "kwargs": self.kwargs,
+            # A run calls nothing: leaving these out saved ~8K of the guest's fuel per run.
+            **({"entry": self.entry, "args": list(self.args), "kwargs": self.kwargs}
+               if self.op != "run" else {}),
             # With seeded entropy the random module starts from the seed; with real entropy
             # it reseeds itself from the host's OS entropy.
             "seed": self.policy.seed if self.policy.entropy == "seeded" else None,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.backends.microvm.host_tree import host_view
 from wasibox import Mount, UsageError
 from wasibox.backends.microvm.files import FRAME_DATA, CopyIn, CopyOut, QuotaExceeded
-from wasibox.capabilities.files.mount import STAGING_DIR
+from wasibox.capabilities.files.mount import MAX_DEPTH, STAGING_DIR
 from wasibox.capabilities.files.session import FileSession
 
 MEMORY = 256 * 2**20
@@ -137,7 +137,8 @@ def test_a_copy_out_that_is_not_finished_publishes_nothing(tree: dict[str, Path]
 
 
 @pytest.mark.parametrize("path", ["..", "../outside/secret.txt", "/etc/passwd", "a//b", "./a",
-                                  "a/../../b", "", "a\x00b", "x" * 256, "/".join("d" * 34)])
+                                  "a/../../b", "", "a\x00b", "x" * 256,
+                                  "/".join("d" * (MAX_DEPTH + 2))])
 def test_a_hostile_name_breaks_the_protocol_and_touches_nothing(
         tree: dict[str, Path], path: str) -> None:
     before = host_view(tree["out"]), host_view(tree["outside"])
@@ -149,6 +150,35 @@ def test_a_hostile_name_breaks_the_protocol_and_touches_nothing(
             copy_out.apply(files([["f", path, 0o644, b"pwned", True]]))
         copy_out.close()
     assert (host_view(tree["out"]), host_view(tree["outside"])) == before
+
+
+@pytest.mark.parametrize("depth", range(MAX_DEPTH - 1, MAX_DEPTH + 3))
+def test_a_copy_out_as_deep_as_the_cap_is_published_and_deeper_breaks_the_protocol(
+        tree: dict[str, Path], depth: int) -> None:
+    """A directory ``depth`` levels deep, holding a file, as the agent would report it (it
+    reports a deeper directory as refused, never as made)."""
+    chain = ["e"] * depth
+    entries: list[list[Any]] = [["d", "/".join(chain[:level])] for level in range(1, depth + 1)]
+    entries.append(["f", "/".join([*chain, "f.txt"]), 0o644, b"deep", True])
+    before = host_view(tree["out"])
+    with session(tree) as files_session:
+        copy_in = CopyIn(files_session, MEMORY)
+        entries_sent(copy_in)
+        copy_out = CopyOut(files_session, copy_in)
+        if depth > MAX_DEPTH:
+            with pytest.raises(ValueError, match="nested"):
+                copy_out.apply(files(entries))
+            copy_out.close()
+        else:
+            copy_out.apply(files(honest_copy_out(copy_in)[:3] + entries))
+            copy_out.finish()
+            records, refused = files_session.publish()
+    if depth > MAX_DEPTH:
+        assert host_view(tree["out"]) == before
+        return
+    assert (tree["out"].joinpath(*chain) / "f.txt").read_text() == "deep"
+    assert [record.path for record in records] == ["/out/" + "/".join([*chain, "f.txt"])]
+    assert refused == []
 
 
 def test_writes_through_a_host_symlink_are_refused_at_publishing(tree: dict[str, Path]) -> None:

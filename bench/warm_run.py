@@ -1,0 +1,154 @@
+"""Where a paced warm-pool run's time goes: ``Sandbox.run("print(1+1)")`` taken apart.
+
+Each run finds a primed instance in the warm pool (``--gap-ms`` of idle time before it, as
+``latency.py``'s paced figure). For each run, on the calling thread, it measures wall and CPU
+time and minor page faults (``getrusage(RUSAGE_THREAD)``) of:
+
+- *host before the call*: ``Sandbox.run`` up to the backend (job, admission, backend choice),
+  then the backend up to the guest call (request encoding, pool take, run state, ticker);
+- *the guest call* (``call_guest``): the wasm code, the page faults it takes on copy-on-write
+  pages the priming did not touch, and its host-function calls;
+- *host after the call*: the outcome, releasing the instance, and decoding the reply into the
+  RunResult.
+
+Then the guest's work in fuel, split at ``runner.start`` (the host meters a program from
+there): the runner's work before the program (taking the request, decoding it, loading the
+program) and ``fuel_used`` (the program and the runner's work after it), and the call's wall
+time per unit of fuel next to a hot loop's. Nothing is asserted; medians are printed.
+
+    python bench/warm_run.py [--runs 300] [--gap-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from wasmtime import _ffi as ffi
+
+import wasibox
+from wasibox.backends.wasm import backend as wasm_backend
+from wasibox.backends.wasm import host
+from wasibox.backends.wasm.run import Run
+from wasibox.backends.wasm.runtime import WasmRuntime
+
+CODE = "print(1+1)"
+LOOP = "x = 0\nfor i in range(3000):\n    x += i\nprint(1+1)"
+WARMUP_RUNS = 20
+
+Stamp = tuple[float, float, int]
+
+
+def stamp() -> Stamp:
+    """Wall time, this thread's CPU time and its minor page faults so far."""
+    return time.perf_counter(), time.thread_time(), resource.getrusage(
+        resource.RUSAGE_THREAD).ru_minflt
+
+
+def stamped(marks: dict[str, Stamp], before: str, after: str,
+            function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, recording a stamp in ``marks`` before and after each call."""
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        marks[before] = stamp()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            marks[after] = stamp()
+    return wrapper
+
+
+def phases(runs: int, gap_s: float) -> None:
+    marks: dict[str, Stamp] = {}
+    wasm_backend.call_guest = stamped(marks, "call", "called", wasm_backend.call_guest)
+    wasm_backend.WasmBackend.execute = stamped(  # type: ignore[method-assign]
+        marks, "backend", "backend done", wasm_backend.WasmBackend.execute)
+    rows = []
+    with wasibox.Sandbox() as sandbox:
+        for index in range(runs + WARMUP_RUNS):
+            time.sleep(gap_s)
+            started = stamp()
+            result = sandbox.run(CODE)
+            ended = stamp()
+            if result.stdout != "2\n":
+                raise SystemExit(f"bench: the run printed {result.stdout!r}: {result}")
+            if index >= WARMUP_RUNS:
+                rows.append([started, marks["backend"], marks["call"], marks["called"],
+                             marks["backend done"], ended])
+    labels = ["Sandbox.run to the backend", "backend to the guest call", "the guest call",
+              "after the call, in the backend", "after the backend (the RunResult)"]
+    print(f"  {'phase':<36} {'wall ms':>9} {'CPU ms':>9} {'faults':>7}   (medians of {runs}; "
+          "faults: mean)")
+    for index, label in enumerate([*labels, "total"]):
+        first, last = (0, 5) if label == "total" else (index, index + 1)
+        wall, cpu = (statistics.median(row[last][part] - row[first][part] for row in rows)
+                     for part in range(2))
+        faults = statistics.mean(row[last][2] - row[first][2] for row in rows)
+        print(f"  {label:<36} {wall * 1e3:>9.3f} {cpu * 1e3:>9.3f} {faults:>7.1f}")
+
+
+def fuel_split() -> None:
+    """The guest's fuel before ``runner.start`` and after it, on the Python run path (where
+    the host's ``start`` is Python, so the fuel left can be read before it is reset)."""
+    before_start: list[int] = []
+    start = host._start
+
+    def recording_start(run: Run, context: Any) -> None:
+        if not run.started:
+            left = ctypes.c_uint64(0)
+            ffi.wasmtime_context_get_fuel(context, ctypes.byref(left))
+            before_start.append(run.job.limits.fuel - left.value)
+        start(run, context)
+
+    host._start = recording_start  # read when the runtime below defines its host functions
+    runtime = WasmRuntime(run_path="python", pool_size=0)
+    with wasibox.Sandbox(backend=wasm_backend.WasmBackend(runtime)) as sandbox:
+        for code in (CODE, "pass"):
+            result = sandbox.run(code)
+            print(f"  {code!r:<14} runner before the program {before_start[-1]:>9,}   "
+                  f"fuel_used {result.fuel_used:>9,}   whole call "
+                  f"{before_start[-1] + result.fuel_used:>9,}")
+    host._start = start
+
+
+def call_rate(runs: int, gap_s: float) -> None:
+    """The guest call's wall time per unit of fuel: ``print(1+1)`` against a hot loop."""
+    figures = {}
+    with wasibox.Sandbox() as sandbox:
+        for code in (CODE, LOOP):
+            durations, fuel = [], 0
+            for index in range(runs + WARMUP_RUNS):
+                time.sleep(gap_s)
+                result = sandbox.run(code)
+                fuel = result.fuel_used
+                if index >= WARMUP_RUNS:
+                    durations.append(result.duration_s)
+            figures[code] = statistics.median(durations), fuel
+    (small_s, small_fuel), (loop_s, loop_fuel) = figures[CODE], figures[LOOP]
+    print(f"  print(1+1): backend duration {small_s * 1e3:.3f} ms for {small_fuel:,} fuel")
+    print(f"  a hot loop's extra fuel runs at "
+          f"{(loop_s - small_s) * 1e9 / (loop_fuel - small_fuel):.2f} ns per unit")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--gap-ms", type=float, default=20.0)
+    options = parser.parse_args()
+    gap_s = options.gap_ms / 1e3
+    print(f"== a paced warm-pool run of {CODE!r}, {options.gap_ms:.0f} ms apart ==")
+    phases(options.runs, gap_s)
+    print("\n== the guest's fuel, split at runner.start ==")
+    fuel_split()
+    print("\n== the guest call's time per unit of fuel ==")
+    call_rate(max(options.runs // 3, 50), gap_s)
+
+
+if __name__ == "__main__":
+    main()
