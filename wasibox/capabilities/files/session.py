@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._result import FileRecord, RefusedFile
-from .mount import MAX_DEPTH, STAGING_DIR, Mount, lexical_parts
+from .mount import MAX_DEPTH, STAGING_DIR, Mount
 from .staging import Inode, Mounted, copy_file, plan_mount, publish_mount, tree_usage
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, blocked, walk
 
@@ -36,6 +36,7 @@ __all__ = [
     "F_READ",
     "F_TRUNC",
     "F_WRITE",
+    "MAX_LINKS",
     "MAX_NAME",
     "MAX_PATH",
     "MAX_READ",
@@ -52,6 +53,8 @@ MAX_READ = 16 * 2**20
 #: Longest guest path, and longest name in it (in bytes of UTF-8), as Linux allows.
 MAX_PATH = 4096
 MAX_NAME = 255
+#: How many symbolic links one lookup follows before it fails with ELOOP, as on Linux.
+MAX_LINKS = 40
 
 # The bits of the `open` flags parameter (guest/wit/files.wit).
 F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
@@ -77,6 +80,31 @@ class FilesError(Exception):
 
 def _from_os(exc: OSError) -> FilesError:
     return FilesError(_ERRNO_NAMES.get(exc.errno or 0, "io"))
+
+
+def _check_length(path: str) -> None:
+    """Refuse (``nametoolong``) a path or link target longer than Linux allows, or holding a
+    longer name."""
+    if len(path) > MAX_PATH or any(
+            len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in path.split("/")):
+        raise FilesError("nametoolong")
+
+
+def _link_target(dir_fd: int, name: str, *, missing_ok: bool) -> str | None:
+    """The target of the symbolic link ``name`` in ``dir_fd``, or None if ``name`` is not a
+    link (or, with ``missing_ok``, does not exist). A target that is empty or not text the
+    guest could name leads nowhere (``noent``); one longer than Linux allows is refused
+    (``nametoolong``). Raises FilesError."""
+    try:
+        target = os.readlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL or (missing_ok and exc.errno == errno.ENOENT):
+            return None
+        raise _from_os(exc) from None
+    if not target or "\x00" in target or not encodable(target):
+        raise FilesError("noent")
+    _check_length(target)
+    return target
 
 
 def _walk_error(stop: Blocked) -> FilesError:
@@ -175,6 +203,7 @@ class FileSession:
         # but the order keeps matching obviously right).
         self._table = sorted(((m.mount.parts, m) for m in self._mounted),
                              key=lambda item: -len(item[0]))
+        self._by_parts = dict(self._table)
 
     def __enter__(self) -> FileSession:
         return self
@@ -243,49 +272,119 @@ class FileSession:
         self._refused = kept
 
     # -- resolving paths --------------------------------------------------------------------
-    def _locate(self, path: str) -> tuple[Mounted | None, tuple[str, ...], bool]:
+    def _locate(self, path: str, *, follow: bool = True, change: bool = False,
+                ) -> tuple[Mounted | None, tuple[str, ...], bool]:
         """(mount, path inside it, must be a directory); (None, parts, True) for a
-        directory of the virtual tree above the mounts. Raises FilesError."""
+        directory of the virtual tree above the mounts.
+
+        ``path`` is resolved as Linux resolves it, but in the guest's namespace: ``..`` is the
+        parent of what the path has reached so far, and a symbolic link met on the way (at
+        the end too, with ``follow`` or a trailing ``/``) is read relative to its parent's
+        descriptor and its target spliced into what is left of the path: a relative target
+        from the link's directory, an absolute one from the guest's root, so it names the
+        mount table, never the host's files. Every directory on the way is opened with
+        ``DIR_FLAGS`` from the one before; the OS never follows a link. The result names no
+        link but, without ``follow``, its last component. With ``change``, a new name in a
+        directory of the virtual tree is refused (``acces``: it exists, read-only) rather
+        than missing.
+
+        Raises FilesError: ``inval`` for a path that is not absolute text, ``nametoolong``,
+        ``noent``, ``notdir``, ``loop`` past MAX_LINKS links, or the open's own error.
+        """
         if not isinstance(path, str) or "\x00" in path or not path.startswith("/"):
             raise FilesError("inval")
-        if len(path) > MAX_PATH:
-            raise FilesError("nametoolong")
-        parts = lexical_parts(path)
-        if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in parts):
-            raise FilesError("nametoolong")
+        _check_length(path)
         wants_dir = path.endswith(("/", "/.", "/..")) or path.rstrip("/") == ""
-        for prefix, mounted in self._table:
-            if parts[:len(prefix)] == prefix:
-                rel = parts[len(prefix):]
-                if rel and rel[0] == STAGING_DIR:
-                    raise FilesError("noent")
-                return mounted, rel, wants_dir
-        for prefix, _ in self._table:
-            if prefix[:len(parts)] == parts:
-                return None, parts, True
-        raise FilesError("noent")
-
-    def _locate_for_change(self, path: str) -> tuple[Mounted | None, tuple[str, ...], bool]:
-        """``_locate``, except that a new name in a directory of the virtual tree above the
-        mounts is refused (EACCES) rather than missing: that directory exists, read-only."""
+        follow = follow or wants_dir
+        pending = path.split("/")[::-1]  # the next component last
+        resolved: list[str] = []
+        mounted: Mounted | None = None
+        base = 0  # how many components of `resolved` name the mount
+        fd = -1  # the directory `resolved` names, once inside a mount
+        links = 0
         try:
-            return self._locate(path)
-        except FilesError as exc:
-            if exc.code == "noent" and isinstance(path, str) and path.startswith("/"):
-                parent = lexical_parts(path)[:-1]
-                if any(prefix[:len(parent)] == parent for prefix, _ in self._table):
-                    raise FilesError("acces") from None
-            raise
+            while pending:
+                part = pending.pop()
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if resolved:
+                        resolved.pop()
+                    if mounted is not None:
+                        os.close(fd)
+                        fd = -1
+                        if len(resolved) < base:
+                            mounted = None
+                        else:
+                            fd = self._walk_to(mounted, tuple(resolved[base:]))
+                    continue
+                last = all(rest in ("", ".") for rest in pending)
+                if mounted is None:
+                    resolved.append(part)
+                    mounted = self._by_parts.get(tuple(resolved))
+                    if mounted is not None:
+                        base, fd = len(resolved), os.dup(mounted.root_fd)
+                    elif not self._virtual(tuple(resolved)):
+                        raise FilesError("acces" if change and last else "noent")
+                    continue
+                if len(resolved) == base and part == STAGING_DIR:
+                    # Hidden: missing to look at, and a name no change may take.
+                    raise FilesError("acces" if change and last else "noent")
+                if last and not follow:
+                    resolved.append(part)
+                    break
+                if last:
+                    target = _link_target(fd, part, missing_ok=True)
+                    if target is None:
+                        resolved.append(part)
+                        break
+                else:
+                    try:
+                        child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                            raise _from_os(exc) from None
+                        target = _link_target(fd, part, missing_ok=False)
+                        if target is None:
+                            raise FilesError("notdir") from None
+                    else:
+                        os.close(fd)
+                        fd = child
+                        resolved.append(part)
+                        continue
+                links += 1
+                if links > MAX_LINKS:
+                    raise FilesError("loop")
+                pending.extend(target.split("/")[::-1])
+                if target.startswith("/"):
+                    resolved.clear()
+                    mounted = None
+                    os.close(fd)
+                    fd = -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if mounted is None:
+            return None, tuple(resolved), True
+        return mounted, tuple(resolved[base:]), wants_dir
+
+    def _virtual(self, parts: tuple[str, ...]) -> bool:
+        """Whether ``parts`` is a directory of the virtual tree above the mounts."""
+        return any(prefix[:len(parts)] == parts for prefix, _ in self._table)
 
     @staticmethod
-    def _parent(mounted: Mounted, rel: tuple[str, ...]) -> int:
-        """A descriptor of the directory holding ``rel[-1]``, walked without following
+    def _walk_to(mounted: Mounted, rel: tuple[str, ...]) -> int:
+        """A descriptor of the directory ``rel`` of ``mounted``, walked without following
         anything (the staging directory does not exist for the guest). The caller closes it.
         Raises FilesError."""
         try:
-            return walk(mounted.root_fd, rel[:-1], hidden=STAGING_DIR)
+            return walk(mounted.root_fd, rel, hidden=STAGING_DIR)
         except Blocked as stop:
             raise _walk_error(stop) from None
+
+    def _parent(self, mounted: Mounted, rel: tuple[str, ...]) -> int:
+        """A descriptor of the directory holding ``rel[-1]`` (see ``_walk_to``)."""
+        return self._walk_to(mounted, rel[:-1])
 
     def _lstat(self, mounted: Mounted, rel: tuple[str, ...]) -> os.stat_result:
         if not rel:
@@ -306,8 +405,11 @@ class FileSession:
                         ino=st.st_ino, dev=mounted.dev, nlink=st.st_nlink, atime=st.st_atime_ns,
                         mtime=st.st_mtime_ns, ctime=st.st_ctime_ns)
 
-    def _mutable(self, path: str) -> tuple[Mounted, tuple[str, ...], bool]:
-        mounted, rel, wants_dir = self._locate_for_change(path)
+    def _mutable(self, path: str, *, follow: bool
+                 ) -> tuple[Mounted, tuple[str, ...], bool]:
+        """``_locate`` for a change: refused (``acces``) in the virtual tree above the
+        mounts, ``rofs`` on a read-only mount."""
+        mounted, rel, wants_dir = self._locate(path, follow=follow, change=True)
         if mounted is None:
             raise FilesError("acces")
         if not mounted.writable:
@@ -315,8 +417,9 @@ class FileSession:
         return mounted, rel, wants_dir
 
     # -- operations on paths ----------------------------------------------------------------
-    def stat(self, path: str) -> StatInfo:
-        mounted, rel, wants_dir = self._locate(path)
+    def stat(self, path: str, follow: bool = True) -> StatInfo:
+        """The status of ``path``; of what a final symbolic link names if ``follow``."""
+        mounted, rel, wants_dir = self._locate(path, follow=follow)
         if mounted is None:
             return StatInfo(kind="directory", mode=0o555, size=0, ino=0, dev=0, nlink=2,
                             atime=0, mtime=0, ctime=0)
@@ -326,13 +429,12 @@ class FileSession:
         return self._info(st, mounted)
 
     def readdir(self, path: str) -> str:
-        mounted, rel, _ = self._locate(path)
+        mounted, parts, _ = self._locate(path)
         if mounted is None:
-            parts = lexical_parts(path)
             names = sorted({prefix[len(parts)] for prefix, _ in self._table
                             if len(prefix) > len(parts) and prefix[:len(parts)] == parts})
             return "/".join("d" + name for name in names)
-        fd = self._open_dir(mounted, rel)
+        fd = self._open_dir(mounted, parts)
         try:
             entries = []
             with os.scandir(fd) as listing:
@@ -367,7 +469,7 @@ class FileSession:
             os.close(parent)
 
     def mkdir(self, path: str, mode: int) -> None:
-        mounted, rel, _ = self._mutable(path)
+        mounted, rel, _ = self._mutable(path, follow=False)
         if not rel:
             raise FilesError("exist")
         _check_mode(mode)
@@ -387,7 +489,7 @@ class FileSession:
             os.close(parent)
 
     def unlink(self, path: str) -> None:
-        mounted, rel, wants_dir = self._mutable(path)
+        mounted, rel, wants_dir = self._mutable(path, follow=False)
         if not rel or wants_dir:
             raise FilesError("isdir" if not rel else "notdir")
         parent = self._parent(mounted, rel)
@@ -403,7 +505,7 @@ class FileSession:
         mounted.unlinked(st)  # still counted while a descriptor holds it open
 
     def rmdir(self, path: str) -> None:
-        mounted, rel, _ = self._mutable(path)
+        mounted, rel, _ = self._mutable(path, follow=False)
         if not rel:
             raise FilesError("acces")
         parent = self._parent(mounted, rel)
@@ -417,8 +519,8 @@ class FileSession:
         mounted.unlinked(st)
 
     def rename(self, src: str, dst: str) -> None:
-        source, src_rel, _ = self._locate(src)
-        target, dst_rel, _ = self._locate_for_change(dst)
+        source, src_rel, _ = self._locate(src, follow=False)
+        target, dst_rel, _ = self._locate(dst, follow=False, change=True)
         if source is None or target is None:
             raise FilesError("acces")
         if not source.writable or not target.writable:
@@ -455,7 +557,9 @@ class FileSession:
             target.unlinked(replaced)
 
     def chmod(self, path: str, mode: int) -> None:
-        mounted, rel, _ = self._mutable(path)
+        """Set the permission bits of ``path`` (of what a final link names, as chmod(2)
+        does: Linux cannot change a link's own mode)."""
+        mounted, rel, _ = self._mutable(path, follow=True)
 
         def change(fd: int, st: os.stat_result) -> None:
             _check_mode(mode)
@@ -464,22 +568,69 @@ class FileSession:
 
         self._with_own_inode(mounted, rel, change)
 
-    def utime(self, path: str, atime: int, mtime: int, now: bool) -> None:
-        mounted, rel, _ = self._mutable(path)
+    def utime(self, path: str, atime: int, mtime: int, now: bool, follow: bool = True,
+              ) -> None:
+        """Set the access and modification times of ``path`` (nanoseconds), or both to now;
+        without ``follow``, of a final symbolic link itself."""
+        mounted, rel, _ = self._mutable(path, follow=follow)
+        if not follow and rel:
+            parent = self._parent(mounted, rel)
+            try:
+                name = rel[-1]
+                st = self._guarded(lambda: os.stat(name, dir_fd=parent, follow_symlinks=False))
+                if stat.S_ISLNK(st.st_mode):
+                    # A link of the staging tree, never one of the host's own (staging copies
+                    # them): utimensat changes the link and never follows it.
+                    self._guarded(lambda: os.utime(name, dir_fd=parent, follow_symlinks=False)
+                                  if now else os.utime(name, ns=(atime, mtime), dir_fd=parent,
+                                                       follow_symlinks=False))
+                    return
+            finally:
+                os.close(parent)
         self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd) if now
                              else os.utime(fd, ns=(atime, mtime)))
 
     def link(self, src: str, dst: str) -> None:
-        self._locate(src)
-        self._locate(dst)
+        """Hard links cannot be made (``perm``): one would tie a host file to the view."""
+        self._locate(src, follow=False)
+        self._locate(dst, follow=False)
         raise FilesError("perm")
 
     def symlink(self, target: str, path: str) -> None:
-        self._locate(path)
-        raise FilesError("perm")
+        """Make ``path`` a symbolic link holding ``target``, on a writable mount.
+
+        The target is stored as given and only ever read back by ``_locate``, in the guest's
+        namespace, so it may say anything: a link counts as a file against the quota.
+        Raises FilesError: ``noent`` for an empty target, ``inval`` for one that is not
+        encodable text, ``nametoolong``, ``exist`` if ``path`` names anything (a dangling
+        link too), ``dquot``, or ``_locate``'s errors.
+        """
+        mounted, rel, wants_dir = self._mutable(path, follow=False)
+        if not isinstance(target, str) or "\x00" in target or not encodable(target):
+            raise FilesError("inval")
+        if not target:
+            raise FilesError("noent")
+        _check_length(target)
+        if not rel:
+            raise FilesError("exist")
+        parent = self._parent(mounted, rel)
+        try:
+            name = rel[-1]
+            if _exists(parent, name):
+                raise FilesError("exist")
+            if wants_dir:
+                raise FilesError("noent")  # as Linux: a new link's name cannot end in "/"
+            self._charge_file(mounted, rel)
+            os.symlink(target, name, dir_fd=parent)
+            mounted.linked(os.stat(name, dir_fd=parent, follow_symlinks=False))
+        except OSError as exc:
+            raise _from_os(exc) from None
+        finally:
+            os.close(parent)
 
     def readlink(self, path: str) -> str:
-        mounted, rel, _ = self._locate(path)
+        """The target of the symbolic link ``path``; ``inval`` if it is not one."""
+        mounted, rel, _ = self._locate(path, follow=False)
         if mounted is None or not rel:
             raise FilesError("inval")
         parent = self._parent(mounted, rel)
@@ -587,7 +738,10 @@ class FileSession:
         if len(self._handles) >= self._open_files:
             raise FilesError("mfile")
         writing = bool(flags & (F_WRITE | F_CREATE | F_TRUNC | F_APPEND))
-        mounted, rel, wants_dir = (self._locate_for_change if writing else self._locate)(path)
+        # As open(2): a final link is followed (a dangling one is created through) unless
+        # O_NOFOLLOW, or O_CREAT | O_EXCL, which fails on any name that exists.
+        follow = not (flags & F_NOFOLLOW or (flags & F_CREATE and flags & F_EXCL))
+        mounted, rel, wants_dir = self._locate(path, follow=follow, change=writing)
         if mounted is None:
             raise FilesError("isdir" if writing or flags & F_NOTDIR else "acces")
         if writing and not mounted.writable:
