@@ -272,7 +272,7 @@ class FileSession:
         self._refused = kept
 
     # -- resolving paths --------------------------------------------------------------------
-    def _locate(self, path: str, *, follow: bool = True, change: bool = False,
+    def _locate(self, path: str, *, follow: bool = True, change: bool = False
                 ) -> tuple[Mounted | None, tuple[str, ...], bool]:
         """(mount, path inside it, must be a directory); (None, parts, True) for a
         directory of the virtual tree above the mounts.
@@ -295,7 +295,6 @@ class FileSession:
             raise FilesError("inval")
         _check_length(path)
         wants_dir = path.endswith(("/", "/.", "/..")) or path.rstrip("/") == ""
-        follow = follow or wants_dir
         pending = path.split("/")[::-1]  # the next component last
         resolved: list[str] = []
         mounted: Mounted | None = None
@@ -319,6 +318,10 @@ class FileSession:
                             fd = self._walk_to(mounted, tuple(resolved[base:]))
                     continue
                 last = all(rest in ("", ".") for rest in pending)
+                if last and pending:
+                    # A "/" follows the last name, in the path or a link's target: it must
+                    # be a directory, so a link there is followed.
+                    wants_dir = True
                 if mounted is None:
                     resolved.append(part)
                     mounted = self._by_parts.get(tuple(resolved))
@@ -330,7 +333,7 @@ class FileSession:
                 if len(resolved) == base and part == STAGING_DIR:
                     # Hidden: missing to look at, and a name no change may take.
                     raise FilesError("acces" if change and last else "noent")
-                if last and not follow:
+                if last and not (follow or wants_dir):
                     resolved.append(part)
                     break
                 if last:
@@ -602,15 +605,17 @@ class FileSession:
         The target is stored as given and only ever read back by ``_locate``, in the guest's
         namespace, so it may say anything: a link counts as a file against the quota.
         Raises FilesError: ``noent`` for an empty target, ``inval`` for one that is not
-        encodable text, ``nametoolong``, ``exist`` if ``path`` names anything (a dangling
-        link too), ``dquot``, or ``_locate``'s errors.
+        encodable text, ``nametoolong`` for one of ``MAX_PATH`` bytes or more (its names
+        may be of any length until it is followed, as on Linux), ``exist`` if ``path``
+        names anything (a dangling link too), ``dquot``, or ``_locate``'s errors.
         """
         mounted, rel, wants_dir = self._mutable(path, follow=False)
         if not isinstance(target, str) or "\x00" in target or not encodable(target):
             raise FilesError("inval")
         if not target:
             raise FilesError("noent")
-        _check_length(target)
+        if len(target.encode("utf-8")) >= MAX_PATH:
+            raise FilesError("nametoolong")
         if not rel:
             raise FilesError("exist")
         parent = self._parent(mounted, rel)
@@ -622,7 +627,9 @@ class FileSession:
                 raise FilesError("noent")  # as Linux: a new link's name cannot end in "/"
             self._charge_file(mounted, rel)
             os.symlink(target, name, dir_fd=parent)
-            mounted.linked(os.stat(name, dir_fd=parent, follow_symlinks=False))
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            mounted.linked(st)
+            mounted.modes.pop(st.st_ino, None)  # a reused inode: a link's mode is 0o777
         except OSError as exc:
             raise _from_os(exc) from None
         finally:
