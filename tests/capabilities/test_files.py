@@ -614,11 +614,15 @@ def test_publishing_refuses_planted_links_fifos_and_devices(tree: dict[str, Path
 def test_publishing_never_follows_a_symlink_planted_in_the_host_directory(
         tree: dict[str, Path]) -> None:
     out, outside = tree["out"], tree["outside"]
-    os.symlink(outside, out / "reports")  # someone on the host points a directory outward
-    with sandbox(tree) as sb:
-        r = sb.run("import os\nos.mkdir('/out/reports')\n"
-                   "open('/out/reports/r.txt', 'w').write('x')\n")
-        assert r.ok
+
+    def plant() -> None:  # someone on the host points a directory outward, mid-run
+        os.symlink(outside, out / "reports")
+
+    mounts = [wasibox.Mount(tree["data"], "/data"), wasibox.Mount(out, "/out", writable=True)]
+    with wasibox.Sandbox(mounts=mounts, functions={"plant": plant}) as sb:
+        r = sb.run("import os, host\nos.mkdir('/out/reports')\n"
+                   "open('/out/reports/r.txt', 'w').write('x')\nhost.plant()\n")
+        assert r.ok, r.error
         assert [f.path for f in r.files_refused] == ["/out/reports", "/out/reports/r.txt"]
         assert r.files == []
         assert sorted(os.listdir(outside)) == ["secret.txt"]

@@ -260,3 +260,33 @@ def test_a_guests_own_links_agree_with_the_model(tmp_path_factory: pytest.TempPa
         assert not any(p.is_symlink() for p in (base / name).rglob("*")
                        if ".wasibox-staging" not in p.parts)
     assert stat.S_ISDIR(os.lstat(base / "outside").st_mode)
+
+
+def test_dotdot_climbs_through_deep_directories_and_links(tmp_path: Path) -> None:
+    # Deeper than the descriptors a lookup keeps, so ".." must walk again from the root.
+    data = tmp_path / "data"
+    deep = data.joinpath(*[f"d{i}" for i in range(40)])
+    deep.mkdir(parents=True)
+    for level in (0, 5, 39):
+        data.joinpath(*[f"d{i}" for i in range(level)], "f").write_text(f"level {level}")
+    os.symlink("../" * 35 + "f", deep / "up")  # from 40 levels down to 5
+    os.symlink("/data/" + "/".join(f"d{i}" for i in range(39)) + "/f", data / "down")
+    below = "/data/" + "/".join(f"d{i}" for i in range(40))
+    with FileSession([Mount(data, "/data")], open_files=4) as session:
+        answers = []
+        for path in (below + "/up", below + "/" + "../" * 40 + "f", "/data/down",
+                     below + "/" + "../" * 41 + "data/f", below + "/" + "../" * 42):
+            try:
+                fd = session.open(path, 1, 0)
+            except FilesError as exc:
+                answers.append(exc.code)
+                continue
+            try:
+                answers.append(session.read(fd, 100) if session.fstat(fd).kind == "regular"
+                               else "directory")
+            finally:
+                session.close_fd(fd)
+    assert answers == ["level 5", "level 0", "level 39", "level 0", "acces"]
+    assert not any(os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
+                   for fd in os.listdir("/proc/self/fd")
+                   if os.path.islink(f"/proc/self/fd/{fd}"))

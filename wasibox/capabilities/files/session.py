@@ -107,6 +107,16 @@ def _link_target(dir_fd: int, name: str, *, missing_ok: bool) -> str | None:
     return target
 
 
+#: How many directory descriptors one lookup keeps while it walks down (see _locate).
+_HELD = 16
+
+
+def _close_held(held: Sequence[int | None]) -> None:
+    for fd in held:
+        if fd is not None:
+            os.close(fd)
+
+
 def _walk_error(stop: Blocked) -> FilesError:
     """What the guest sees for a path the walker would not follow: ``loop`` for a symbolic
     link, ``notdir`` for anything else that is not a directory, else the open's own error."""
@@ -299,7 +309,10 @@ class FileSession:
         resolved: list[str] = []
         mounted: Mounted | None = None
         base = 0  # how many components of `resolved` name the mount
-        fd = -1  # the directory `resolved` names, once inside a mount
+        # Inside a mount, descriptors of the directories from its root down to `resolved`
+        # (the last is where the walk is), the highest let go (None) past _HELD of them:
+        # ".." goes back to one held, and only past those walks again from the root.
+        held: list[int | None] = []
         links = 0
         try:
             while pending:
@@ -310,12 +323,13 @@ class FileSession:
                     if resolved:
                         resolved.pop()
                     if mounted is not None:
-                        os.close(fd)
-                        fd = -1
+                        _close_held(held[-1:])
+                        del held[-1:]
                         if len(resolved) < base:
                             mounted = None
-                        else:
-                            fd = self._walk_to(mounted, tuple(resolved[base:]))
+                        elif held[-1] is None:
+                            _close_held(held)
+                            held = self._hold(mounted, tuple(resolved[base:]))
                     continue
                 last = all(rest in ("", ".") for rest in pending)
                 if last and pending:
@@ -326,7 +340,7 @@ class FileSession:
                     resolved.append(part)
                     mounted = self._by_parts.get(tuple(resolved))
                     if mounted is not None:
-                        base, fd = len(resolved), os.dup(mounted.root_fd)
+                        base, held = len(resolved), [os.dup(mounted.root_fd)]
                     elif not self._virtual(tuple(resolved)):
                         raise FilesError("acces" if change and last else "noent")
                     continue
@@ -336,6 +350,8 @@ class FileSession:
                 if last and not (follow or wants_dir):
                     resolved.append(part)
                     break
+                fd = held[-1]
+                assert fd is not None  # the last is always held
                 if last:
                     target = _link_target(fd, part, missing_ok=True)
                     if target is None:
@@ -351,8 +367,10 @@ class FileSession:
                         if target is None:
                             raise FilesError("notdir") from None
                     else:
-                        os.close(fd)
-                        fd = child
+                        held.append(child)
+                        if len(held) > _HELD:
+                            _close_held(held[-_HELD - 1:-_HELD])
+                            held[-_HELD - 1] = None
                         resolved.append(part)
                         continue
                 links += 1
@@ -362,11 +380,10 @@ class FileSession:
                 if target.startswith("/"):
                     resolved.clear()
                     mounted = None
-                    os.close(fd)
-                    fd = -1
+                    _close_held(held)
+                    held = []
         finally:
-            if fd >= 0:
-                os.close(fd)
+            _close_held(held)
         if mounted is None:
             return None, tuple(resolved), True
         return mounted, tuple(resolved[base:]), wants_dir
@@ -374,6 +391,25 @@ class FileSession:
     def _virtual(self, parts: tuple[str, ...]) -> bool:
         """Whether ``parts`` is a directory of the virtual tree above the mounts."""
         return any(prefix[:len(parts)] == parts for prefix, _ in self._table)
+
+    def _hold(self, mounted: Mounted, rel: tuple[str, ...]) -> list[int | None]:
+        """``_locate``'s held descriptors for the directory ``rel``: the last _HELD of the
+        directories from the mount's root down to it, walked again from the root."""
+        first = max(0, len(rel) + 1 - _HELD)
+        held: list[int | None] = [None] * first
+        held.append(self._walk_to(mounted, rel[:first]))
+        try:
+            for part in rel[first:]:
+                fd = held[-1]
+                assert fd is not None
+                held.append(walk(fd, (part,), hidden=STAGING_DIR))
+        except Blocked as stop:
+            _close_held(held)
+            raise _walk_error(stop) from None
+        except BaseException:
+            _close_held(held)
+            raise
+        return held
 
     @staticmethod
     def _walk_to(mounted: Mounted, rel: tuple[str, ...]) -> int:
