@@ -107,6 +107,11 @@ def _link_target(dir_fd: int, name: str, *, missing_ok: bool) -> str | None:
     return target
 
 
+def _names(parts: list[str]) -> int:
+    """How many of a path's components are not empty or ``.``."""
+    return len(parts) - parts.count("") - parts.count(".")
+
+
 #: How many directory descriptors one lookup keeps while it walks down (see _locate).
 _HELD = 16
 
@@ -199,6 +204,10 @@ class FileSession:
         self._mounted: list[Mounted] = []
         self._closed = False
         self._refused: list[RefusedFile] = []
+        #: The directory holding the last name the latest lookup reached, as (mount, path
+        #: inside it, descriptor): the operation's ``_parent`` takes it rather than walk
+        #: the same path again.
+        self._kept: tuple[Mounted, tuple[str, ...], int] | None = None
         self.published = False
         try:
             for index, mount in enumerate(mounts):
@@ -304,8 +313,10 @@ class FileSession:
         if not isinstance(path, str) or "\x00" in path or not path.startswith("/"):
             raise FilesError("inval")
         _check_length(path)
+        self._drop_kept()
         wants_dir = path.endswith(("/", "/.", "/..")) or path.rstrip("/") == ""
         pending = path.split("/")[::-1]  # the next component last
+        names = _names(pending)  # how many of them are names (not "", ".")
         resolved: list[str] = []
         mounted: Mounted | None = None
         base = 0  # how many components of `resolved` name the mount
@@ -319,6 +330,7 @@ class FileSession:
                 part = pending.pop()
                 if part in ("", "."):
                     continue
+                names -= 1
                 if part == "..":
                     if resolved:
                         resolved.pop()
@@ -331,7 +343,7 @@ class FileSession:
                             _close_held(held)
                             held = self._hold(mounted, tuple(resolved[base:]))
                     continue
-                last = all(rest in ("", ".") for rest in pending)
+                last = not names
                 if last and pending:
                     # A "/" follows the last name, in the path or a link's target: it must
                     # be a directory, so a link there is followed.
@@ -347,17 +359,17 @@ class FileSession:
                 if len(resolved) == base and part == STAGING_DIR:
                     # Hidden: missing to look at, and a name no change may take.
                     raise FilesError("acces" if change and last else "noent")
-                if last and not (follow or wants_dir):
-                    resolved.append(part)
-                    break
                 fd = held[-1]
                 assert fd is not None  # the last is always held
-                if last:
+                target = None
+                if last and (follow or wants_dir):
                     target = _link_target(fd, part, missing_ok=True)
-                    if target is None:
-                        resolved.append(part)
-                        break
-                else:
+                if last and target is None:
+                    resolved.append(part)
+                    held.pop()
+                    self._kept = (mounted, tuple(resolved[base:-1]), fd)
+                    break
+                if not last:
                     try:
                         child = os.open(part, DIR_FLAGS, dir_fd=fd)
                     except OSError as exc:
@@ -373,10 +385,13 @@ class FileSession:
                             held[-_HELD - 1] = None
                         resolved.append(part)
                         continue
+                assert target is not None  # a link: the cases above continued or broke
                 links += 1
                 if links > MAX_LINKS:
                     raise FilesError("loop")
-                pending.extend(target.split("/")[::-1])
+                spliced = target.split("/")
+                pending.extend(reversed(spliced))
+                names += _names(spliced)
                 if target.startswith("/"):
                     resolved.clear()
                     mounted = None
@@ -422,8 +437,19 @@ class FileSession:
             raise _walk_error(stop) from None
 
     def _parent(self, mounted: Mounted, rel: tuple[str, ...]) -> int:
-        """A descriptor of the directory holding ``rel[-1]`` (see ``_walk_to``)."""
+        """A descriptor of the directory holding ``rel[-1]`` (see ``_walk_to``): the one
+        the lookup kept, if it is that directory."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept[0] is mounted and kept[1] == rel[:-1]:
+                return kept[2]
+            os.close(kept[2])
         return self._walk_to(mounted, rel[:-1])
+
+    def _drop_kept(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            os.close(kept[2])
 
     def _lstat(self, mounted: Mounted, rel: tuple[str, ...]) -> os.stat_result:
         if not rel:
@@ -1031,6 +1057,7 @@ class FileSession:
 
     def close(self) -> None:
         """Close every descriptor and discard unpublished staging. Idempotent."""
+        self._drop_kept()
         if self._closed:
             return
         self._closed = True
