@@ -192,27 +192,26 @@ def test_a_link_counts_against_the_file_quota(tree: dict[str, Path]) -> None:  #
     assert value == "EDQUOT"
 
 
-def test_host_links_in_a_writable_mount_are_followed_and_kept(
+def test_host_links_in_a_writable_mount_stay_unseen_and_untouched(
         tree: dict[str, Path]) -> None:  # noqa: F811
+    # Not staged (the microVM's copy-out could not keep them either): the guest's own name
+    # there is its own, and publishing leaves the host's link alone.
     out = tree["out"]
     (out / "real.txt").write_text("real")
     os.symlink("real.txt", out / "kept")
-    os.symlink("real.txt", out / "removed")
-    os.symlink(tree["outside"], out / "escape")  # the host's absolute path: nothing inside
+    os.symlink(tree["outside"], out / "escape")
     with sandbox(tree) as sb:
         value = call(sb, """
             import os
             def main():
-                result = [open("/out/kept").read(), os.path.exists("/out/escape/secret.txt")]
-                os.unlink("/out/removed")
-                return result
+                return [sorted(os.listdir("/out")), os.path.lexists("/out/kept"),
+                        os.path.exists("/out/escape/secret.txt")]
         """)
         r = sb.run("pass")
-    assert value == ["real", False]
+    assert value == [["real.txt"], False, False]
     assert r.ok and r.files_refused == []
     assert sorted(os.listdir(out)) == [".wasibox-staging", "escape", "kept", "real.txt"]
     assert os.readlink(out / "kept") == "real.txt"
-    assert os.readlink(out / "escape") == str(tree["outside"])
 
 
 def test_a_read_only_mount_follows_its_links(tree: dict[str, Path]) -> None:  # noqa: F811

@@ -12,11 +12,10 @@ directory of a read-only mount, the per-run staging tree of a writable one, noth
 scratch mount), without following anything, and sends its contents over the VM's channel
 in bounded frames; the agent rebuilds them in tmpfs at the same guest paths
 (``guest/microvm/wasibox_vm_files.py``). What the wasm guest could not see is not sent:
-names that are not UTF-8 and the staging directory; in a writable mount, special files
-(``FileSession`` never stages them) and links (the copies ``FileSession`` stages of the
-host's own: the VM does not see them, and publishing leaves them as they are). A read-only
-mount's symlinks are sent as symlinks (they cannot be followed in the VM either) and its
-special files as unopenable placeholders.
+names that are not UTF-8 and the staging directory; in a writable mount, links and special
+files (``FileSession`` never stages them). A read-only mount's symlinks are sent as
+symlinks (they cannot be followed in the VM either) and its special files as unopenable
+placeholders.
 
 After the run, :class:`CopyOut` takes the guest's account of each writable mount and
 applies it to that mount's staging tree: new and changed files are written to fresh files

@@ -55,9 +55,8 @@ inside, so every publish is a same-filesystem ``rename``). The staging directory
 with its two lock files and a ``README.txt`` that tells a user what it is; removing it when
 idle would race a concurrent session that has it open. At the start of a run the tree is
 populated with hard links to the mount's current files (one ``link`` per file, no data
-copied) and copies of its symbolic links, and the inode of each is remembered. A file shared
-with the host this way is copied before anything changes it (write, truncate, ``chmod``,
-``utime``), so the host's file is never touched during the run; descriptors already open on
+copied), and the inode of each is remembered. A file shared with the host this way is
+copied before anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never touched during the run; descriptors already open on
 it move to the copy, so all of them see one file, as on a real filesystem. When the run ends
 **ok** (exit status 0, no exception, no limit), :meth:`FileSession.publish` walks the tree
 without following anything and:
@@ -66,10 +65,10 @@ without following anything and:
   (``_sandbox.run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
   guest writes the tree itself to the same quotas, and trusts no count kept during the run;
 * refuses, and reports in ``RunResult.files_refused``, every symlink (the guest's own too:
-  the host's programs would follow it with the OS, not in the guest's namespace; the host's
-  links, copied into the staging, are left as they are), FIFO, device or socket, and every
-  file hard-linked to an inode that was not in the mount at the start (the wasm guest
-  cannot make those, but a backend whose guest writes the staging tree directly can);
+  the host's programs would follow it with the OS, not in the guest's namespace), FIFO,
+  device or socket, and every file hard-linked to an inode that was not in the mount at
+  the start (the wasm guest cannot make those, but a backend whose guest writes the
+  staging tree directly can);
 * writes a journal, then moves each new or changed file into the host directory with one
   ``rename`` (the file appears complete or not at all), creating host directories component
   by component, again never following a link; then removes what the guest deleted, if the

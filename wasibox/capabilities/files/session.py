@@ -644,8 +644,8 @@ class FileSession:
                 name = rel[-1]
                 st = self._guarded(lambda: os.stat(name, dir_fd=parent, follow_symlinks=False))
                 if stat.S_ISLNK(st.st_mode):
-                    # A link of the staging tree, never one of the host's own (staging copies
-                    # them): utimensat changes the link and never follows it.
+                    # A link the guest made in the staging tree (the host's own are never
+                    # staged): utimensat changes the link and never follows it.
                     self._guarded(lambda: os.utime(name, dir_fd=parent, follow_symlinks=False)
                                   if now else os.utime(name, ns=(atime, mtime), dir_fd=parent,
                                                        follow_symlinks=False))

@@ -87,8 +87,6 @@ class Mounted:
         self.tree: Path | None = None
         #: rel path -> (kind, inode) of what the host held when the run started.
         self.baseline: dict[tuple[str, ...], tuple[str, int]] = {}
-        #: rel path -> target of each symbolic link of the host that the staging copied.
-        self.link_targets: dict[tuple[str, ...], str] = {}
         #: inode -> (path, size, mtime in ns) of each private copy a c_access staging made of
         #: a host file; a copy still at that path with that size and mtime is unchanged.
         self.copies: dict[int, tuple[tuple[str, ...], int, int]] = {}
@@ -216,20 +214,8 @@ class Mounted:
                 # What was linked, not what was listed (the host may have replaced it since);
                 # a file with two names in the mount is one inode, counted once.
                 self.linked(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
-            elif stat.S_ISLNK(st.st_mode):
-                # A copy of the link, never the host's own: the guest may change or remove
-                # its copy, and the session reads it only to resolve it in the guest's
-                # namespace.
-                try:
-                    target = os.readlink(name, dir_fd=src_fd)
-                    os.symlink(target, name, dir_fd=dst_fd)
-                except OSError:
-                    continue
-                self.baseline[(*rel, name)] = ("symlink", st.st_ino)
-                self.link_targets[(*rel, name)] = target
-                self.linked(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
-            # FIFOs, devices and sockets in the host directory are not shown to the guest of
-            # a writable mount, and publishing never touches them.
+            # Symlinks, FIFOs, devices and sockets in the host directory are not shown to
+            # the guest of a writable mount, and publishing never touches them.
 
     def _copy_in(self, src_fd: int, dst_fd: int, name: str, path: tuple[str, ...]) -> None:
         """Stage a private copy of the host's regular file ``name`` (for C access), with its
@@ -559,10 +545,6 @@ def _plan(mounted: Mounted, dir_fd: int, rel: tuple[str, ...], plan: Plan,
                               "ino": st.st_ino,
                               "mode": mounted.modes.get(st.st_ino, stat.S_IMODE(st.st_mode))})
         else:
-            if baseline is not None and baseline[0] == "symlink" and stat.S_ISLNK(st.st_mode):
-                plan.seen.add(path)  # the host's own link stays as it is
-                if os.readlink(name, dir_fd=dir_fd) == mounted.link_targets.get(path):
-                    continue  # unchanged: nothing to publish or refuse
             plan.refused.append(RefusedFile(path="/".join(path), reason=refusal(st.st_mode)))
 
 
