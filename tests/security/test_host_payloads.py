@@ -15,6 +15,7 @@ import pytest
 
 import wasibox
 from tests.capabilities.test_hostcall import RAW_CHANNEL
+from tests.conftest import wait_for
 from tests.security.conftest import HostBaseline, run_in_child_host, take_baseline
 from wasibox import Limit
 
@@ -33,8 +34,15 @@ def raises_generator_exit() -> None:
     raise GeneratorExit
 
 
+BLOCKING: list[int] = []  # one entry per call of blocks() still sleeping
+
+
 def blocks() -> int:
-    time.sleep(1.0)
+    BLOCKING.append(1)
+    try:
+        time.sleep(1.0)
+    finally:
+        BLOCKING.pop()
     return 1
 
 
@@ -90,7 +98,10 @@ def test_runs_that_abandon_a_blocking_function_do_not_accumulate_threads() -> No
                 assert sandbox.run("import host\nhost.blocks()").limit_exceeded is \
                     Limit.TIMEOUT
             peaks.append(len(workers()))
-            time.sleep(1.2)  # the abandoned functions return
+            # The abandoned functions return (however loaded the machine), then their
+            # workers go back to idle.
+            assert wait_for(lambda: not BLOCKING, seconds=30)
+            time.sleep(0.2)
         assert peaks[0] <= before + 6 and peaks[1] <= peaks[0]
         assert sandbox.run("print(1)").ok
 
