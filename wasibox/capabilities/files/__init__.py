@@ -54,12 +54,12 @@ the mount's host directory (``<mount>/.wasibox-staging/run-*/tree``, hidden from
 inside, so every publish is a same-filesystem ``rename``). The staging directory stays,
 with its two lock files and a ``README.txt`` that tells a user what it is; removing it when
 idle would race a concurrent session that has it open. At the start of a run the tree is
-populated with hard links to the mount's current files (one ``link`` per file, no data
-copied), and the inode of each is remembered. A file shared with the host this way is
-copied before anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never touched during the run; descriptors already open on
-it move to the copy, so all of them see one file, as on a real filesystem. When the run ends
-**ok** (exit status 0, no exception, no limit), :meth:`FileSession.publish` walks the tree
-without following anything and:
+populated with hard links to the mount's current files (one ``link`` per file, no data copied)
+and the inode of each is remembered. A file shared with the host this way is copied before
+anything changes it (write, truncate, ``chmod``, ``utime``), so the host's file is never
+touched during the run; descriptors already open on it move to the copy, so all of them see
+one file, as on a real filesystem. When the run ends **ok** (exit status 0, no exception, no
+limit), :meth:`FileSession.publish` walks the tree without following anything and:
 
 * measures what the tree holds and, if that is over the mount's quotas, publishes nothing
   (``_sandbox.run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
