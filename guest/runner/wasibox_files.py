@@ -45,7 +45,7 @@ _READ_ALL_CHUNK = 1 << 20
 _ERRNO = {code: getattr(errno, "E" + code.name) for code in _files.ErrorCode}
 # Index = the `kind` field of a stat string (guest/wit/files.wit).
 _KIND_BITS = (_stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK, 0)
-_SYMLINK, _DIRECTORY = 2, 1
+_DIRECTORY = 1
 _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}
 
 _real = {name: getattr(os, name) for name in (
@@ -227,10 +227,9 @@ def _os_stat(path, *, dir_fd=None, follow_symlinks=True):
     if isinstance(path, int):
         return _fstat(path)
     _no_dir_fd(dir_fd, "stat")
-    fields = _fields(_call(_files.stat, _path(path), filename=path))
-    if follow_symlinks and fields[0] == _SYMLINK:
-        raise _error(_files.ErrorCode.LOOP, path)  # links are never followed
-    return _stat_result(fields)
+    # The host follows a final link (or not), in the guest's namespace.
+    return _stat_result(_fields(_call(_files.stat, _path(path), bool(follow_symlinks),
+                                      filename=path)))
 
 
 def _lstat(path, *, dir_fd=None):
@@ -264,10 +263,18 @@ class DirEntry:
         self._stat = self._lstat = None
 
     def is_dir(self, *, follow_symlinks=True):
-        return self._kind == _stat.S_IFDIR
+        return self._is(_stat.S_IFDIR, follow_symlinks)
 
     def is_file(self, *, follow_symlinks=True):
-        return self._kind == _stat.S_IFREG
+        return self._is(_stat.S_IFREG, follow_symlinks)
+
+    def _is(self, kind, follow_symlinks):
+        if self._kind != _stat.S_IFLNK or not follow_symlinks:
+            return self._kind == kind
+        try:
+            return _stat.S_IFMT(self.stat().st_mode) == kind
+        except FileNotFoundError:
+            return False  # a dangling link, as os.DirEntry answers
 
     def is_symlink(self):
         return self._kind == _stat.S_IFLNK
@@ -354,6 +361,9 @@ def _chmod(path, mode, *, dir_fd=None, follow_symlinks=True):
     _no_dir_fd(dir_fd, "chmod")
     if isinstance(path, int):
         raise _error(_files.ErrorCode.PERM)
+    if not follow_symlinks and _stat.S_ISLNK(_lstat(path).st_mode):
+        # As CPython on Linux, where fchmodat cannot change a link's own mode.
+        raise NotImplementedError("chmod: follow_symlinks unavailable on this platform")
     _call(_files.chmod, _path(path), mode & 0o7777, filename=path)
 
 
@@ -372,7 +382,7 @@ def _utime(path, times=None, *, ns=None, dir_fd=None, follow_symlinks=True):
     else:
         atime = mtime = 0
         now = True
-    _call(_files.utime, _path(path), atime, mtime, now, filename=path)
+    _call(_files.utime, _path(path), atime, mtime, now, bool(follow_symlinks), filename=path)
 
 
 def _link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
@@ -380,8 +390,14 @@ def _link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
 
 
 def _symlink(src, dst, target_is_directory=False, *, dir_fd=None):
-    _call(_files.symlink, os.fspath(src) if not isinstance(src, bytes) else os.fsdecode(src),
-          _path(dst), filename=src, filename2=dst)
+    _no_dir_fd(dir_fd, "symlink")
+    target = os.fspath(src)
+    if isinstance(target, bytes):
+        target = os.fsdecode(target)
+    if "\x00" in target:
+        raise ValueError("embedded null character in src")
+    # Stored as given: the host reads it back only to resolve it in this guest's namespace.
+    _call(_files.symlink, target, _path(dst), filename=src, filename2=dst)
 
 
 def _readlink(path, *, dir_fd=None):
@@ -427,9 +443,11 @@ def _chdir(path):
     if isinstance(path, int):
         raise _error(_files.ErrorCode.BADF)
     target = _path(path)
-    if _fields(_call(_files.stat, target, filename=path))[0] != _DIRECTORY:
+    if _fields(_call(_files.stat, target, True, filename=path))[0] != _DIRECTORY:
         raise _error(_files.ErrorCode.NOTDIR, path)
-    _cwd = posixpath.normpath(target)
+    # Where the path leads, links resolved, as getcwd() reports it on Linux: a later ".."
+    # is the parent of that directory.
+    _cwd = posixpath.realpath(target)
 
 
 # -- open() ---------------------------------------------------------------------------------
