@@ -55,7 +55,7 @@ _S64 = 1 << 63  # times travel as s64 nanoseconds
 _ERRNO = {code: getattr(errno, "E" + code.name) for code in _files.ErrorCode}
 # Index = the `kind` field of a stat string (guest/wit/files.wit).
 _KIND_BITS = (_stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK, 0)
-_SYMLINK, _DIRECTORY = 2, 1
+_DIRECTORY = 1
 _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}
 
 _real = {}  # name: the os function install() replaced, for what is not the host's
@@ -322,10 +322,9 @@ def _os_stat(path, *, dir_fd=None, follow_symlinks=True, _function="stat"):
     if isinstance(name, int):
         return _fstat(name)
     _no_dir_fd(dir_fd, _function)
-    fields = _fields(_call(_files.stat, name, filename=path))
-    if follow_symlinks and fields[0] == _SYMLINK:
-        raise _error(_files.ErrorCode.LOOP, path)  # links are never followed
-    return _stat_result(fields)
+    # The host follows a final link (or not), in the guest's namespace.
+    return _stat_result(_fields(_call(_files.stat, name, bool(follow_symlinks),
+                                      filename=path)))
 
 
 def _lstat(path, *, dir_fd=None):
@@ -357,10 +356,18 @@ class DirEntry:
         self._stat = self._lstat = None
 
     def is_dir(self, *, follow_symlinks=True):
-        return self._kind == _stat.S_IFDIR
+        return self._is(_stat.S_IFDIR, follow_symlinks)
 
     def is_file(self, *, follow_symlinks=True):
-        return self._kind == _stat.S_IFREG
+        return self._is(_stat.S_IFREG, follow_symlinks)
+
+    def _is(self, kind, follow_symlinks):
+        if self._kind != _stat.S_IFLNK or not follow_symlinks:
+            return self._kind == kind
+        try:
+            return _stat.S_IFMT(self.stat().st_mode) == kind
+        except FileNotFoundError:
+            return False  # a dangling link, as os.DirEntry answers
 
     def is_symlink(self):
         return self._kind == _stat.S_IFLNK
@@ -469,7 +476,11 @@ def _replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):  # os.rename, named
 
 def _chmod(path, mode, *, dir_fd=None, follow_symlinks=True):
     _no_dir_fd(dir_fd, "chmod")
-    _call(_files.chmod, _path("chmod", path), mode & 0o7777, filename=path)
+    name = _path("chmod", path)
+    if not follow_symlinks and _stat.S_ISLNK(_lstat(name).st_mode):
+        # As CPython on Linux, where fchmodat cannot change a link's own mode.
+        raise NotImplementedError("chmod: follow_symlinks unavailable on this platform")
+    _call(_files.chmod, name, mode & 0o7777, filename=path)
 
 
 def _seconds_ns(value):
@@ -514,7 +525,7 @@ def _utime(path, times=None, *, ns=None, dir_fd=None, follow_symlinks=True):
         # The host sets the run's clock's time: the virtual one unless it grants the real.
         atime = mtime = 0
         now = True
-    _call(_files.utime, name, atime, mtime, now, filename=path)
+    _call(_files.utime, name, atime, mtime, now, bool(follow_symlinks), filename=path)
 
 
 def _link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
@@ -523,9 +534,10 @@ def _link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
 
 
 def _symlink(src, dst, target_is_directory=False, *, dir_fd=None):
-    target = _convert("symlink", src, "src")
-    _call(_files.symlink, os.fsdecode(target), _path("symlink", dst, "dst"), filename=src,
-          filename2=dst)
+    _no_dir_fd(dir_fd, "symlink")
+    target = os.fsdecode(_convert("symlink", src, "src"))
+    # Stored as given: the host reads it back only to resolve it in this guest's namespace.
+    _call(_files.symlink, target, _path("symlink", dst, "dst"), filename=src, filename2=dst)
 
 
 def _readlink(path, *, dir_fd=None):
@@ -572,9 +584,11 @@ def _getcwdb():
 def _chdir(path):
     global _cwd
     target = _path("chdir", path)  # no descriptor, as on WASI
-    if _fields(_call(_files.stat, target, filename=path))[0] != _DIRECTORY:
+    if _fields(_call(_files.stat, target, True, filename=path))[0] != _DIRECTORY:
         raise _error(_files.ErrorCode.NOTDIR, path)
-    _cwd = posixpath.normpath(target)
+    # Where the path leads, links resolved, as getcwd() reports it on Linux: a later ".."
+    # is the parent of that directory.
+    _cwd = posixpath.realpath(target)
 
 
 # -- open() ---------------------------------------------------------------------------------

@@ -297,13 +297,14 @@ def test_runaway_recursion_under_a_raised_limit_is_a_catchable_recursion_error(
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=st.sampled_from(["[x]", "(x,)", "{'k': x}", "Node(x)"]),
        operation=st.sampled_from(["repr", "str", "pickle.dumps", "json.dumps", "copy.deepcopy",
-                                  "(lambda v: v == copy.deepcopy(v))"]),
+                                  "(lambda v: v == keep(copy.deepcopy(v)))"]),
        depth=st.integers(1, 12_000))
 def test_deep_nesting_raises_or_works_and_never_traps(
         sandbox: wasibox.Sandbox, shape: str, operation: str, depth: int) -> None:
     # Node's __repr__ and __eq__ are Python, so each level also re-enters the interpreter.
-    # What is built and made is kept (on sys) to the end of the instance: freeing it is
-    # the unguarded recursion of the test below, whose depth limit depends on the type.
+    # What is built and made is kept (on sys) to the end of the instance, the comparison's
+    # copy too: freeing it is the unguarded recursion of the test below, whose depth limit
+    # depends on the type (a 6,000-deep copy freed as a temporary traps).
     result = sandbox.run(textwrap.dedent(f"""
         import copy, json, pickle, sys
         sys.setrecursionlimit(100_000)
@@ -318,6 +319,9 @@ def test_deep_nesting_raises_or_works_and_never_traps(
         for _ in range({depth}):
             x = {shape}
         sys.kept = [x]
+        def keep(made):
+            sys.kept.append(made)
+            return made
         try:
             sys.kept.append({operation}(x))
             print("done")

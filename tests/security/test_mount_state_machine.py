@@ -3,7 +3,8 @@
 A hypothesis state machine draws random sequences of file operations (``open`` in each
 access mode with any of ``O_APPEND``, ``O_CREAT``, ``O_EXCL``, ``O_TRUNC``; ``write``,
 ``pwrite``, ``read``, ``lseek``, ``ftruncate``, ``truncate`` by path, ``rename``,
-``os.replace``, ``unlink``, ``dup``, ``close``, ``mkdir`` and ``rmdir``) over a few names,
+``os.replace``, ``unlink``, ``dup``, ``close``, ``mkdir``, ``rmdir`` and ``symlink``, whose
+relative targets every other operation then follows or not as Linux does) over a few names,
 on a mount that starts with files the staging shares with the host. Each operation runs at
 once on a real host directory with real ``os`` calls: the reference. The whole sequence then
 runs in one guest (one run per example; the guest reports each operation's result and the
@@ -20,7 +21,8 @@ mount's contents after it). After every step:
   reference holds;
 * the host directory itself is unchanged until the run ends;
 
-and after the run, the host directory holds exactly the reference's final state.
+and after the run, the host directory holds exactly the reference's final state but its
+symbolic links, which publishing refuses.
 
 ``WASIBOX_MOUNT_SOAK_EXAMPLES`` raises the number of examples for a longer soak (the
 default suite runs a few).
@@ -52,7 +54,10 @@ from wasibox.capabilities.files.mount import STAGING_DIR
 
 pytestmark = pytest.mark.guest
 
-NAMES = ("a", "b", "d", "d/a", "d/b")
+NAMES = ("a", "b", "d", "d/a", "d/b", "l", "d/l")
+#: What a link may hold: relative, so that the reference's links resolve as the guest's do
+#: (``..`` from the mount's top is the guest's read-only root, the reference's parent).
+TARGETS = ("a", "b", "d", "d/a", "missing", "l", "./d/b", "d/../a", "..", "../d/b")
 #: The mount's starting content (None: a directory); staging links these to the host's.
 INITIAL: dict[str, bytes | None] = {"a": b"initial a\n", "d": None, "d/b": b"xy"}
 QUOTA_BYTES, QUOTA_FILES = 40, 4
@@ -74,7 +79,10 @@ def contents(top="/out", prefix=""):
     found = {}
     for name in sorted(os.listdir(top)):
         path = top + "/" + name
-        if stat.S_ISDIR(os.lstat(path).st_mode):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            found[prefix + name] = "->" + os.readlink(path)
+        elif stat.S_ISDIR(mode):
             found[prefix + name] = None
             found.update(contents(path, prefix + name + "/"))
         else:
@@ -109,6 +117,8 @@ def apply(op, fds):
         os.truncate("/out/" + args[0], args[1])
     elif kind in ("rename", "replace"):
         getattr(os, kind)("/out/" + args[0], "/out/" + args[1])
+    elif kind == "symlink":
+        os.symlink(args[0], "/out/" + args[1])
     else:
         getattr(os, kind)("/out/" + args[0])
     return None
@@ -138,16 +148,18 @@ def populate(root: Path) -> None:
             (root / name).write_bytes(data)
 
 
-def contents(root: Path) -> dict[str, bytes | None]:
-    """What the guest's ``contents()`` reports, read from a host directory."""
-    found: dict[str, bytes | None] = {}
+def contents(root: Path) -> dict[str, bytes | str | None]:
+    """What the guest's ``contents()`` reports, read from a host directory: a file's bytes,
+    None for a directory, "->" and its target for a symbolic link."""
+    found: dict[str, bytes | str | None] = {}
     for top, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != STAGING_DIR]
         rel = os.path.relpath(top, root)
         for name in dirs + files:
             key = name if rel == "." else f"{rel}/{name}"
             path = os.path.join(top, name)
-            found[key] = None if name in dirs else Path(path).read_bytes()
+            found[key] = ("->" + os.readlink(path) if os.path.islink(path)
+                          else None if name in dirs else Path(path).read_bytes())
     return dict(sorted(found.items()))
 
 
@@ -163,7 +175,8 @@ class MountMachine(RuleBasedStateMachine):
         self.fds: dict[int, int] = {}  # slot -> the reference's descriptor
         self.ops: list[list[Any]] = []
         #: Per step: the expected result, the reference's contents, and what it holds.
-        self.expected: list[tuple[list[Any], dict[str, bytes | None], tuple[int, int]]] = []
+        self.expected: list[tuple[list[Any], dict[str, bytes | str | None],
+                                  tuple[int, int]]] = []
 
     # -- the reference ---------------------------------------------------------------------
     def step(self, op: list[Any]) -> None:
@@ -178,7 +191,9 @@ class MountMachine(RuleBasedStateMachine):
         kind, args = op[0], op[1:]
         if kind == "open":
             name, access, extra, slot = args
-            if "creat" in extra and self.creates(name):
+            # O_CREAT makes what a final link names (unless O_EXCL, which fails on it).
+            made = name if "excl" in extra else os.path.realpath(self.ref / name)
+            if "creat" in extra and self.creates(made):
                 self.charge_file()
             flags = ACCESS[access] | os.O_CLOEXEC
             for bit in extra:
@@ -213,12 +228,17 @@ class MountMachine(RuleBasedStateMachine):
             if self.creates(args[0]):
                 self.charge_file()
             os.mkdir(self.ref / args[0])
+        elif kind == "symlink":
+            if self.creates(args[1]):
+                self.charge_file()
+            os.symlink(args[0], self.ref / args[1])
         else:
             getattr(os, kind)(self.ref / args[0])
         return None
 
     def creates(self, name: str) -> bool:
-        """Whether making ``name`` would make a new file (its parent is a directory)."""
+        """Whether making ``name`` (relative to the reference, or absolute) would make a new
+        file (its parent is a directory)."""
         path = self.ref / name
         try:
             in_a_directory = stat.S_ISDIR(os.lstat(path.parent).st_mode)
@@ -328,6 +348,10 @@ class MountMachine(RuleBasedStateMachine):
     def by_name(self, kind: str, name: str) -> None:
         self.step([kind, name])
 
+    @rule(link=st.sampled_from(TARGETS), name=st.sampled_from(NAMES))
+    def symlink(self, link: str, name: str) -> None:
+        self.step(["symlink", link, name])
+
     # -- the guest, and the comparison -----------------------------------------------------
     def teardown(self) -> None:
         try:
@@ -341,7 +365,7 @@ class MountMachine(RuleBasedStateMachine):
 
     def check_guest(self) -> None:
         measured: list[tuple[int, int]] = []
-        host_views: list[dict[str, bytes | None]] = []
+        host_views: list[dict[str, bytes | str | None]] = []
         initial = contents(self.out)
 
         def measure() -> None:
@@ -363,7 +387,9 @@ class MountMachine(RuleBasedStateMachine):
             assert usage[0] <= QUOTA_BYTES and usage[1] <= QUOTA_FILES, f"{where}: {usage}"
             assert usage == want_held, f"{where}: the staging holds {usage}, not {want_held}"
         assert all(view == initial for view in host_views), "the host changed mid-run"
-        final, want_final = contents(self.out), contents(self.ref)
+        final = contents(self.out)
+        want_final = {name: value for name, value in contents(self.ref).items()
+                      if not isinstance(value, str)}  # links are refused, not published
         assert final == want_final, f"published {final}, not {want_final}"
         used, files = published(self.out)
         assert used <= QUOTA_BYTES and files <= QUOTA_FILES, (used, files)

@@ -149,14 +149,14 @@ def _file_op(method: str, tagged: bool) -> Any:
     return op
 
 
-def _utime_args(run: Run, context: Any, path: str, atime: int, mtime: int,
-                now: bool) -> tuple[str, int, int]:
+def _utime_args(run: Run, context: Any, path: str, atime: int, mtime: int, now: bool,
+                follow: bool) -> tuple[str, int, int, bool]:
     """``FileSession.utime``'s arguments: "now" is the run's wall clock (the virtual one
     unless the policy grants the real), so a guest never reads the host's time off a file
     it touched, and a virtual-clock run stays deterministic."""
     if now:
         atime = mtime = run.wall_ns(context)
-    return path, atime, mtime
+    return path, atime, mtime, follow
 
 
 def define_host(linker: cm.Linker, native: ModuleType | None = None) -> None:

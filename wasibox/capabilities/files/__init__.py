@@ -32,17 +32,22 @@ latin-1 costs it to lift for random bytes (~60 fuel a byte: bytes >= 0x80 are tw
 UTF-8), and ten times more for ASCII text, which latin-1 passes through unchanged (~6). A
 ``stat`` travels as a string too: lowering a record field by field cost about three calls.
 
-**Confinement.** A guest path is made absolute, then ``.`` and ``..`` are resolved lexically
-(``..`` never leaves through a link, because it never meets one), then it is matched to the
-mount with the longest guest prefix; anything else does not exist. Inside a mount, each
-component is opened relative to its parent's directory descriptor with ``O_NOFOLLOW``: a
-symbolic link is never followed, wherever it points (the guest sees ``ELOOP``), so no link
-can lead out of a mount; a trailing ``/`` demands a directory. Opening anything that is not a
+**Confinement.** A guest path is made absolute and resolved one component at a time, as
+Linux resolves it, but in the guest's namespace: above the mounts, the names of the mount
+table; inside a mount, each component opened relative to its parent's directory descriptor
+with ``O_NOFOLLOW``, so the OS never follows a link. ``..`` is the parent of what the path
+has reached. A symbolic link met on the way (or at the end, where the operation follows it)
+is read by the host with ``readlink`` and its target spliced into the rest of the path: a
+relative target from the link's directory, an absolute one from the guest's root. So no
+link, whoever made it, can lead anywhere but into the mounts (the host's ``/etc/passwd`` is
+the guest's, which does not exist); a lookup follows at most 40 links (``ELOOP``); a
+trailing ``/`` demands a directory. Opening anything that is not a
 regular file or directory (FIFO, device, socket) is refused with ``ENXIO``, and it is opened
 ``O_NONBLOCK`` first, so a planted FIFO cannot hang the host. Read-only mounts refuse every
 mutation with ``EROFS``: writing, ``O_TRUNC``, create, delete, rename, ``chmod``, ``utime``,
-``mkdir``. Guests cannot make links at all (``EPERM``), so nothing can be hard-linked out of
-a read-only mount into a writable one.
+``mkdir``, ``symlink``. Guests cannot make hard links (``EPERM``), so nothing can be
+hard-linked out of a read-only mount into a writable one; they make symbolic links on a
+writable mount, each counted as a file.
 
 **Staging and publishing.** A writable mount's guest view is a per-run staging tree inside
 the mount's host directory (``<mount>/.wasibox-staging/run-*/tree``, hidden from the guest;
@@ -59,9 +64,11 @@ limit), :meth:`FileSession.publish` walks the tree without following anything an
 * measures what the tree holds and, if that is over the mount's quotas, publishes nothing
   (``_sandbox.run_with_files`` makes the run fail with an ``OSError``): this holds a backend whose
   guest writes the tree itself to the same quotas, and trusts no count kept during the run;
-* refuses, and reports in ``RunResult.files_refused``, every symlink, FIFO, device or socket,
-  and every file hard-linked to an inode that was not in the mount at the start (the wasm
-  guest cannot make these, but a backend whose guest writes the staging tree directly can);
+* refuses, and reports in ``RunResult.files_refused``, every symlink (the guest's own too:
+  the host's programs would follow it with the OS, not in the guest's namespace), FIFO,
+  device or socket, and every file hard-linked to an inode that was not in the mount at
+  the start (the wasm guest cannot make those, but a backend whose guest writes the
+  staging tree directly can);
 * writes a journal, then moves each new or changed file into the host directory with one
   ``rename`` (the file appears complete or not at all), creating host directories component
   by component, again never following a link; then removes what the guest deleted, if the

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._result import FileRecord, RefusedFile
-from .mount import MAX_DEPTH, STAGING_DIR, Mount, lexical_parts
+from .mount import MAX_DEPTH, STAGING_DIR, Mount
 from .staging import Inode, Mounted, copy_file, plan_mount, publish_mount, tree_usage
 from .walk import DIR_FLAGS, FILE_FLAGS, Blocked, blocked, walk
 
@@ -36,6 +36,7 @@ __all__ = [
     "F_READ",
     "F_TRUNC",
     "F_WRITE",
+    "MAX_LINKS",
     "MAX_NAME",
     "MAX_PATH",
     "MAX_READ",
@@ -52,6 +53,8 @@ MAX_READ = 16 * 2**20
 #: Longest guest path, and longest name in it (in bytes of UTF-8), as Linux allows.
 MAX_PATH = 4096
 MAX_NAME = 255
+#: How many symbolic links one lookup follows before it fails with ELOOP, as on Linux.
+MAX_LINKS = 40
 
 # The bits of the `open` flags parameter (guest/wit/files.wit).
 F_READ, F_WRITE, F_CREATE, F_EXCL, F_TRUNC, F_APPEND, F_DIRECTORY, F_NOFOLLOW, F_NOTDIR = (
@@ -77,6 +80,46 @@ class FilesError(Exception):
 
 def _from_os(exc: OSError) -> FilesError:
     return FilesError(_ERRNO_NAMES.get(exc.errno or 0, "io"))
+
+
+def _check_length(path: str) -> None:
+    """Refuse (``nametoolong``) a path or link target longer than Linux allows, or holding a
+    longer name."""
+    if len(path) > MAX_PATH or any(
+            len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in path.split("/")):
+        raise FilesError("nametoolong")
+
+
+def _link_target(dir_fd: int, name: str, *, missing_ok: bool) -> str | None:
+    """The target of the symbolic link ``name`` in ``dir_fd``, or None if ``name`` is not a
+    link (or, with ``missing_ok``, does not exist). A target that is empty or not text the
+    guest could name leads nowhere (``noent``); one longer than Linux allows is refused
+    (``nametoolong``). Raises FilesError."""
+    try:
+        target = os.readlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL or (missing_ok and exc.errno == errno.ENOENT):
+            return None
+        raise _from_os(exc) from None
+    if not target or "\x00" in target or not encodable(target):
+        raise FilesError("noent")
+    _check_length(target)
+    return target
+
+
+def _names(parts: list[str]) -> int:
+    """How many of a path's components are not empty or ``.``."""
+    return len(parts) - parts.count("") - parts.count(".")
+
+
+#: How many directory descriptors one lookup keeps while it walks down (see _locate).
+_HELD = 16
+
+
+def _close_held(held: Sequence[int | None]) -> None:
+    for fd in held:
+        if fd is not None:
+            os.close(fd)
 
 
 def _walk_error(stop: Blocked) -> FilesError:
@@ -161,6 +204,10 @@ class FileSession:
         self._mounted: list[Mounted] = []
         self._closed = False
         self._refused: list[RefusedFile] = []
+        #: The directory holding the last name the latest lookup reached, as (mount, path
+        #: inside it, descriptor): the operation's ``_parent`` takes it rather than walk
+        #: the same path again.
+        self._kept: tuple[Mounted, tuple[str, ...], int] | None = None
         self.published = False
         try:
             for index, mount in enumerate(mounts):
@@ -175,6 +222,7 @@ class FileSession:
         # but the order keeps matching obviously right).
         self._table = sorted(((m.mount.parts, m) for m in self._mounted),
                              key=lambda item: -len(item[0]))
+        self._by_parts = dict(self._table)
 
     def __enter__(self) -> FileSession:
         return self
@@ -243,49 +291,165 @@ class FileSession:
         self._refused = kept
 
     # -- resolving paths --------------------------------------------------------------------
-    def _locate(self, path: str) -> tuple[Mounted | None, tuple[str, ...], bool]:
+    def _locate(self, path: str, *, follow: bool = True, change: bool = False
+                ) -> tuple[Mounted | None, tuple[str, ...], bool]:
         """(mount, path inside it, must be a directory); (None, parts, True) for a
-        directory of the virtual tree above the mounts. Raises FilesError."""
+        directory of the virtual tree above the mounts.
+
+        ``path`` is resolved as Linux resolves it, but in the guest's namespace: ``..`` is the
+        parent of what the path has reached so far, and a symbolic link met on the way (at
+        the end too, with ``follow`` or a trailing ``/``) is read relative to its parent's
+        descriptor and its target spliced into what is left of the path: a relative target
+        from the link's directory, an absolute one from the guest's root, so it names the
+        mount table, never the host's files. Every directory on the way is opened with
+        ``DIR_FLAGS`` from the one before; the OS never follows a link. The result names no
+        link but, without ``follow``, its last component. With ``change``, a new name in a
+        directory of the virtual tree is refused (``acces``: it exists, read-only) rather
+        than missing.
+
+        Raises FilesError: ``inval`` for a path that is not absolute text, ``nametoolong``,
+        ``noent``, ``notdir``, ``loop`` past MAX_LINKS links, or the open's own error.
+        """
         if not isinstance(path, str) or "\x00" in path or not path.startswith("/"):
             raise FilesError("inval")
-        if len(path) > MAX_PATH:
-            raise FilesError("nametoolong")
-        parts = lexical_parts(path)
-        if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME for part in parts):
-            raise FilesError("nametoolong")
+        _check_length(path)
+        self._drop_kept()
         wants_dir = path.endswith(("/", "/.", "/..")) or path.rstrip("/") == ""
-        for prefix, mounted in self._table:
-            if parts[:len(prefix)] == prefix:
-                rel = parts[len(prefix):]
-                if rel and rel[0] == STAGING_DIR:
-                    raise FilesError("noent")
-                return mounted, rel, wants_dir
-        for prefix, _ in self._table:
-            if prefix[:len(parts)] == parts:
-                return None, parts, True
-        raise FilesError("noent")
-
-    def _locate_for_change(self, path: str) -> tuple[Mounted | None, tuple[str, ...], bool]:
-        """``_locate``, except that a new name in a directory of the virtual tree above the
-        mounts is refused (EACCES) rather than missing: that directory exists, read-only."""
+        pending = path.split("/")[::-1]  # the next component last
+        names = _names(pending)  # how many of them are names (not "", ".")
+        resolved: list[str] = []
+        mounted: Mounted | None = None
+        base = 0  # how many components of `resolved` name the mount
+        # Inside a mount, descriptors of the directories from its root down to `resolved`
+        # (the last is where the walk is), the highest let go (None) past _HELD of them:
+        # ".." goes back to one held, and only past those walks again from the root.
+        held: list[int | None] = []
+        links = 0
         try:
-            return self._locate(path)
-        except FilesError as exc:
-            if exc.code == "noent" and isinstance(path, str) and path.startswith("/"):
-                parent = lexical_parts(path)[:-1]
-                if any(prefix[:len(parent)] == parent for prefix, _ in self._table):
-                    raise FilesError("acces") from None
+            while pending:
+                part = pending.pop()
+                if part in ("", "."):
+                    continue
+                names -= 1
+                if part == "..":
+                    if resolved:
+                        resolved.pop()
+                    if mounted is not None:
+                        _close_held(held[-1:])
+                        del held[-1:]
+                        if len(resolved) < base:
+                            mounted = None
+                        elif held[-1] is None:
+                            _close_held(held)
+                            held = self._hold(mounted, tuple(resolved[base:]))
+                    continue
+                last = not names
+                if last and pending:
+                    # A "/" follows the last name, in the path or a link's target: it must
+                    # be a directory, so a link there is followed.
+                    wants_dir = True
+                if mounted is None:
+                    resolved.append(part)
+                    mounted = self._by_parts.get(tuple(resolved))
+                    if mounted is not None:
+                        base, held = len(resolved), [os.dup(mounted.root_fd)]
+                    elif not self._virtual(tuple(resolved)):
+                        raise FilesError("acces" if change and last else "noent")
+                    continue
+                if len(resolved) == base and part == STAGING_DIR:
+                    # Hidden: missing to look at, and a name no change may take.
+                    raise FilesError("acces" if change and last else "noent")
+                fd = held[-1]
+                assert fd is not None  # the last is always held
+                target = None
+                if last and (follow or wants_dir):
+                    target = _link_target(fd, part, missing_ok=True)
+                if last and target is None:
+                    resolved.append(part)
+                    held.pop()
+                    self._kept = (mounted, tuple(resolved[base:-1]), fd)
+                    break
+                if not last:
+                    try:
+                        child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                            raise _from_os(exc) from None
+                        target = _link_target(fd, part, missing_ok=False)
+                        if target is None:
+                            raise FilesError("notdir") from None
+                    else:
+                        held.append(child)
+                        if len(held) > _HELD:
+                            _close_held(held[-_HELD - 1:-_HELD])
+                            held[-_HELD - 1] = None
+                        resolved.append(part)
+                        continue
+                assert target is not None  # a link: the cases above continued or broke
+                links += 1
+                if links > MAX_LINKS:
+                    raise FilesError("loop")
+                spliced = target.split("/")
+                pending.extend(reversed(spliced))
+                names += _names(spliced)
+                if target.startswith("/"):
+                    resolved.clear()
+                    mounted = None
+                    _close_held(held)
+                    held = []
+        finally:
+            _close_held(held)
+        if mounted is None:
+            return None, tuple(resolved), True
+        return mounted, tuple(resolved[base:]), wants_dir
+
+    def _virtual(self, parts: tuple[str, ...]) -> bool:
+        """Whether ``parts`` is a directory of the virtual tree above the mounts."""
+        return any(prefix[:len(parts)] == parts for prefix, _ in self._table)
+
+    def _hold(self, mounted: Mounted, rel: tuple[str, ...]) -> list[int | None]:
+        """``_locate``'s held descriptors for the directory ``rel``: the last _HELD of the
+        directories from the mount's root down to it, walked again from the root."""
+        first = max(0, len(rel) + 1 - _HELD)
+        held: list[int | None] = [None] * first
+        held.append(self._walk_to(mounted, rel[:first]))
+        try:
+            for part in rel[first:]:
+                fd = held[-1]
+                assert fd is not None
+                held.append(walk(fd, (part,), hidden=STAGING_DIR))
+        except Blocked as stop:
+            _close_held(held)
+            raise _walk_error(stop) from None
+        except BaseException:
+            _close_held(held)
             raise
+        return held
 
     @staticmethod
-    def _parent(mounted: Mounted, rel: tuple[str, ...]) -> int:
-        """A descriptor of the directory holding ``rel[-1]``, walked without following
+    def _walk_to(mounted: Mounted, rel: tuple[str, ...]) -> int:
+        """A descriptor of the directory ``rel`` of ``mounted``, walked without following
         anything (the staging directory does not exist for the guest). The caller closes it.
         Raises FilesError."""
         try:
-            return walk(mounted.root_fd, rel[:-1], hidden=STAGING_DIR)
+            return walk(mounted.root_fd, rel, hidden=STAGING_DIR)
         except Blocked as stop:
             raise _walk_error(stop) from None
+
+    def _parent(self, mounted: Mounted, rel: tuple[str, ...]) -> int:
+        """A descriptor of the directory holding ``rel[-1]`` (see ``_walk_to``): the one
+        the lookup kept, if it is that directory."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept[0] is mounted and kept[1] == rel[:-1]:
+                return kept[2]
+            os.close(kept[2])
+        return self._walk_to(mounted, rel[:-1])
+
+    def _drop_kept(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            os.close(kept[2])
 
     def _lstat(self, mounted: Mounted, rel: tuple[str, ...]) -> os.stat_result:
         if not rel:
@@ -306,8 +470,11 @@ class FileSession:
                         ino=st.st_ino, dev=mounted.dev, nlink=st.st_nlink, atime=st.st_atime_ns,
                         mtime=st.st_mtime_ns, ctime=st.st_ctime_ns)
 
-    def _mutable(self, path: str) -> tuple[Mounted, tuple[str, ...], bool]:
-        mounted, rel, wants_dir = self._locate_for_change(path)
+    def _mutable(self, path: str, *, follow: bool
+                 ) -> tuple[Mounted, tuple[str, ...], bool]:
+        """``_locate`` for a change: refused (``acces``) in the virtual tree above the
+        mounts, ``rofs`` on a read-only mount."""
+        mounted, rel, wants_dir = self._locate(path, follow=follow, change=True)
         if mounted is None:
             raise FilesError("acces")
         if not mounted.writable:
@@ -315,8 +482,9 @@ class FileSession:
         return mounted, rel, wants_dir
 
     # -- operations on paths ----------------------------------------------------------------
-    def stat(self, path: str) -> StatInfo:
-        mounted, rel, wants_dir = self._locate(path)
+    def stat(self, path: str, follow: bool = True) -> StatInfo:
+        """The status of ``path``; of what a final symbolic link names if ``follow``."""
+        mounted, rel, wants_dir = self._locate(path, follow=follow)
         if mounted is None:
             return StatInfo(kind="directory", mode=0o555, size=0, ino=0, dev=0, nlink=2,
                             atime=0, mtime=0, ctime=0)
@@ -326,13 +494,12 @@ class FileSession:
         return self._info(st, mounted)
 
     def readdir(self, path: str) -> str:
-        mounted, rel, _ = self._locate(path)
+        mounted, parts, _ = self._locate(path)
         if mounted is None:
-            parts = lexical_parts(path)
             names = sorted({prefix[len(parts)] for prefix, _ in self._table
                             if len(prefix) > len(parts) and prefix[:len(parts)] == parts})
             return "/".join("d" + name for name in names)
-        fd = self._open_dir(mounted, rel)
+        fd = self._open_dir(mounted, parts)
         try:
             entries = []
             with os.scandir(fd) as listing:
@@ -367,7 +534,7 @@ class FileSession:
             os.close(parent)
 
     def mkdir(self, path: str, mode: int) -> None:
-        mounted, rel, _ = self._mutable(path)
+        mounted, rel, _ = self._mutable(path, follow=False)
         if not rel:
             raise FilesError("exist")
         _check_mode(mode)
@@ -387,7 +554,7 @@ class FileSession:
             os.close(parent)
 
     def unlink(self, path: str) -> None:
-        mounted, rel, wants_dir = self._mutable(path)
+        mounted, rel, wants_dir = self._mutable(path, follow=False)
         if not rel or wants_dir:
             raise FilesError("isdir" if not rel else "notdir")
         parent = self._parent(mounted, rel)
@@ -403,7 +570,7 @@ class FileSession:
         mounted.unlinked(st)  # still counted while a descriptor holds it open
 
     def rmdir(self, path: str) -> None:
-        mounted, rel, _ = self._mutable(path)
+        mounted, rel, _ = self._mutable(path, follow=False)
         if not rel:
             raise FilesError("acces")
         parent = self._parent(mounted, rel)
@@ -417,8 +584,8 @@ class FileSession:
         mounted.unlinked(st)
 
     def rename(self, src: str, dst: str) -> None:
-        source, src_rel, _ = self._locate(src)
-        target, dst_rel, _ = self._locate_for_change(dst)
+        source, src_rel, _ = self._locate(src, follow=False)
+        target, dst_rel, _ = self._locate(dst, follow=False, change=True)
         if source is None or target is None:
             raise FilesError("acces")
         if not source.writable or not target.writable:
@@ -455,7 +622,9 @@ class FileSession:
             target.unlinked(replaced)
 
     def chmod(self, path: str, mode: int) -> None:
-        mounted, rel, _ = self._mutable(path)
+        """Set the permission bits of ``path`` (of what a final link names, as chmod(2)
+        does: Linux cannot change a link's own mode)."""
+        mounted, rel, _ = self._mutable(path, follow=True)
 
         def change(fd: int, st: os.stat_result) -> None:
             _check_mode(mode)
@@ -464,23 +633,71 @@ class FileSession:
 
         self._with_own_inode(mounted, rel, change)
 
-    def utime(self, path: str, atime: int, mtime: int) -> None:
-        """Set the times (nanoseconds); the backend turns the guest's "now" into its run's
-        clock's time, never the host's. Raises FilesError."""
-        mounted, rel, _ = self._mutable(path)
+    def utime(self, path: str, atime: int, mtime: int, follow: bool = True) -> None:
+        """Set the access and modification times of ``path`` (nanoseconds); without
+        ``follow``, of a final symbolic link itself. The backend turns the guest's "now"
+        into its run's clock's time, never the host's. Raises FilesError."""
+        mounted, rel, _ = self._mutable(path, follow=follow)
+        if not follow and rel:
+            parent = self._parent(mounted, rel)
+            try:
+                name = rel[-1]
+                st = self._guarded(lambda: os.stat(name, dir_fd=parent, follow_symlinks=False))
+                if stat.S_ISLNK(st.st_mode):
+                    # A link the guest made in the staging tree (the host's own are never
+                    # staged): utimensat changes the link and never follows it.
+                    self._guarded(lambda: os.utime(name, ns=(atime, mtime), dir_fd=parent,
+                                                   follow_symlinks=False))
+                    return
+            finally:
+                os.close(parent)
         self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd, ns=(atime, mtime)))
 
     def link(self, src: str, dst: str) -> None:
-        self._locate(src)
-        self._locate(dst)
+        """Hard links cannot be made (``perm``): one would tie a host file to the view."""
+        self._locate(src, follow=False)
+        self._locate(dst, follow=False)
         raise FilesError("perm")
 
     def symlink(self, target: str, path: str) -> None:
-        self._locate(path)
-        raise FilesError("perm")
+        """Make ``path`` a symbolic link holding ``target``, on a writable mount.
+
+        The target is stored as given and only ever read back by ``_locate``, in the guest's
+        namespace, so it may say anything: a link counts as a file against the quota.
+        Raises FilesError: ``noent`` for an empty target, ``inval`` for one that is not
+        encodable text, ``nametoolong`` for one of ``MAX_PATH`` bytes or more (its names
+        may be of any length until it is followed, as on Linux), ``exist`` if ``path``
+        names anything (a dangling link too), ``dquot``, or ``_locate``'s errors.
+        """
+        mounted, rel, wants_dir = self._mutable(path, follow=False)
+        if not isinstance(target, str) or "\x00" in target or not encodable(target):
+            raise FilesError("inval")
+        if not target:
+            raise FilesError("noent")
+        if len(target.encode("utf-8")) >= MAX_PATH:
+            raise FilesError("nametoolong")
+        if not rel:
+            raise FilesError("exist")
+        parent = self._parent(mounted, rel)
+        try:
+            name = rel[-1]
+            if _exists(parent, name):
+                raise FilesError("exist")
+            if wants_dir:
+                raise FilesError("noent")  # as Linux: a new link's name cannot end in "/"
+            self._charge_file(mounted, rel)
+            os.symlink(target, name, dir_fd=parent)
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            mounted.linked(st)
+            mounted.modes.pop(st.st_ino, None)  # a reused inode: a link's mode is 0o777
+        except OSError as exc:
+            raise _from_os(exc) from None
+        finally:
+            os.close(parent)
 
     def readlink(self, path: str) -> str:
-        mounted, rel, _ = self._locate(path)
+        """The target of the symbolic link ``path``; ``inval`` if it is not one."""
+        mounted, rel, _ = self._locate(path, follow=False)
         if mounted is None or not rel:
             raise FilesError("inval")
         parent = self._parent(mounted, rel)
@@ -588,7 +805,10 @@ class FileSession:
         if len(self._handles) >= self._open_files:
             raise FilesError("mfile")
         writing = bool(flags & (F_WRITE | F_CREATE | F_TRUNC | F_APPEND))
-        mounted, rel, wants_dir = (self._locate_for_change if writing else self._locate)(path)
+        # As open(2): a final link is followed (a dangling one is created through) unless
+        # O_NOFOLLOW, or O_CREAT | O_EXCL, which fails on any name that exists.
+        follow = not (flags & F_NOFOLLOW or (flags & F_CREATE and flags & F_EXCL))
+        mounted, rel, wants_dir = self._locate(path, follow=follow, change=writing)
         if mounted is None:
             raise FilesError("isdir" if writing or flags & F_NOTDIR else "acces")
         if writing and not mounted.writable:
@@ -835,6 +1055,7 @@ class FileSession:
 
     def close(self) -> None:
         """Close every descriptor and discard unpublished staging. Idempotent."""
+        self._drop_kept()
         if self._closed:
             return
         self._closed = True

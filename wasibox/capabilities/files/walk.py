@@ -10,7 +10,8 @@ check-then-open window: the check *is* the open.
 ``FileSession`` (a guest's file operations), publishing and reclaiming (moving staged files
 into a mount), the microVM's copy-in and copy-out, and the MCP server's workspace file tools
 all walk with :func:`walk`, and open the last component themselves with ``FILE_FLAGS`` or
-``DIR_FLAGS``, which never follow a link either.
+``DIR_FLAGS``, which never follow a link either. The symbolic links a guest sees followed are
+``FileSession``'s doing: it reads each link and walks again, from the guest's namespace.
 """
 
 from __future__ import annotations
