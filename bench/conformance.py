@@ -30,6 +30,7 @@ wasibox again on its own. A test that still fails in wasibox alone is listed as
     python bench/conformance.py                         # the default modules, wasibox only
     python bench/conformance.py --eryx                  # with eryx's columns
     python bench/conformance.py --modules test_json test_csv --json out.json
+    python bench/conformance.py --modules test_statistics --tests TestKDE --durations 5
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ BISECT_TIMEOUT_S = 60.0
 #: (loading it from the mount by name, whatever path-based finders the guest has), then one
 #: unittest run of ``NAMES``, reported as JSON after ``MARKER``.
 GUEST_PROGRAM = textwrap.dedent("""
-    import collections, importlib.abc, importlib.util, io, json, os, sys, sysconfig, unittest
+    import collections, importlib.abc, importlib.util, io, json, os, sys, sysconfig, time
+    import unittest
 
     class MountedTests(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         def find_spec(self, name, path=None, target=None):
@@ -131,27 +133,44 @@ GUEST_PROGRAM = textwrap.dedent("""
         for test in suite:
             yield from flat(test) if isinstance(test, unittest.TestSuite) else [test]
 
+    class Timed(unittest.TextTestResult):  # each test's time, by the guest's clock
+        times = {}
+
+        def startTest(self, test):
+            self.started = time.perf_counter()
+            super().startTest(test)
+
+        def stopTest(self, test):
+            super().stopTest(test)
+            self.times[test.id()] = time.perf_counter() - self.started
+
     def report():
         try:
             tests = list(flat(unittest.defaultTestLoader.loadTestsFromName(MODULE)))
         except unittest.SkipTest as skip:  # the whole module: regrtest reports it skipped
             return {"module_skipped": str(skip)[:200]}
-        # A subtest's id is its test's id and a space; ONLY lists tests' ids.
-        missing = set(ONLY or ()) - {test.id() for test in tests}
+        # A subtest's id is its test's id and a space; ONLY lists tests' ids, or their
+        # prefixes (a class's id selects its tests).
+        def chosen(name, prefix):
+            return name == prefix or name.startswith(prefix + ".")
+        missing = [prefix for prefix in ONLY or ()
+                   if not any(chosen(test.id(), prefix) for test in tests)]
         if ONLY is not None:
-            tests = [test for test in tests if test.id() in ONLY]
+            tests = [test for test in tests
+                     if any(chosen(test.id(), prefix) for prefix in ONLY)]
         if SLICE is not None:
             tests = tests[SLICE[0]:SLICE[1]]
         if LIST:
             return {"ids": [test.id() for test in tests]}
-        result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(
-            unittest.TestSuite(tests))
+        result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0,
+                                         resultclass=Timed).run(unittest.TestSuite(tests))
         failed = [[test.id(), summary(trace)] for test, trace in result.failures]
         failed += [[test.id(), "unexpected success"] for test in result.unexpectedSuccesses]
         reasons = collections.Counter(str(reason)[:120] for _, reason in result.skipped)
         return {"run": result.testsRun, "failed": failed, "skipped": len(result.skipped),
                 "errored": [[test.id(), summary(trace)] for test, trace in result.errors],
-                "skip_reasons": reasons.most_common(8), "missing": sorted(missing)}
+                "skip_reasons": reasons.most_common(8), "missing": sorted(missing),
+                "slowest": sorted(Timed.times.items(), key=lambda item: -item[1])[:SLOWEST]}
 
     print("\\n" + MARKER + json.dumps(report()))
 """)
@@ -191,13 +210,14 @@ class Job:
     window: tuple[int, int] | None = None
     list_only: bool = False
     timeout_s: float | None = None  #: None: the runner's own
+    slowest: int = 0  #: how many of the slowest tests to report, with their times
 
     def code(self) -> str:
         only = None if self.only is None else list(self.only)
         window = None if self.window is None else list(self.window)
-        return (f"ROOT, MODULE, ONLY, SLICE, LIST, MARKER = {GUEST_ROOT!r}, "
+        return (f"ROOT, MODULE, ONLY, SLICE, LIST, MARKER, SLOWEST = {GUEST_ROOT!r}, "
                 f"{'test.' + self.module!r}, {only!r}, {window!r}, {self.list_only!r}, "
-                f"{MARKER!r}\n" + GUEST_PROGRAM)
+                f"{MARKER!r}, {self.slowest!r}\n" + GUEST_PROGRAM)
 
 
 @dataclasses.dataclass
@@ -211,6 +231,8 @@ class Outcome:
     skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     missing: list[str] = dataclasses.field(default_factory=list)
     ids: list[str] = dataclasses.field(default_factory=list)
+    #: The slowest tests and their seconds by the guest's clock, slowest first.
+    slowest: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     module_skipped: str = ""
     #: Why the run produced no report: ``crashed`` if it ended in a trap, ``timed_out`` if it
     #: ran out of time; either way, running its tests in smaller groups finds the test that
@@ -241,6 +263,8 @@ class Outcome:
         for reason, number in other.skip_reasons.items():
             self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + number
         self.seconds += other.seconds
+        keep = max(len(self.slowest), len(other.slowest))
+        self.slowest = sorted(self.slowest + other.slowest, key=lambda item: -item[1])[:keep]
 
 
 def parse_report(stdout: str) -> Outcome | None:
@@ -259,7 +283,8 @@ def parse_report(stdout: str) -> Outcome | None:
     return Outcome(run=report["run"], failed=dict(report["failed"]),
                    errored=dict(report["errored"]), skipped=report["skipped"],
                    skip_reasons={str(r): int(n) for r, n in report["skip_reasons"]},
-                   missing=list(report["missing"]))
+                   missing=list(report["missing"]),
+                   slowest=[(str(name), float(s)) for name, s in report.get("slowest", [])])
 
 
 class Runner:
@@ -270,20 +295,22 @@ class Runner:
     def run(self, jobs: list[Job]) -> list[Outcome]:
         raise NotImplementedError
 
-    def module(self, module: str) -> Outcome:
-        """The whole module; if a test crashes the interpreter or hangs, the module's other
-        tests are still counted, and each such test is an error naming the crash or hang."""
-        (outcome,) = self.run([Job(module)])
+    def module(self, job: Job) -> Outcome:
+        """The job's tests of its module; if a test crashes the interpreter or hangs, the
+        other tests are still counted, and each such test is an error naming the crash or
+        hang."""
+        (outcome,) = self.run([job])
         if outcome.completed or not (outcome.crashed or outcome.timed_out):
             return outcome
-        (listing,) = self.run([Job(module, list_only=True, timeout_s=BISECT_TIMEOUT_S)])
+        (listing,) = self.run([dataclasses.replace(job, list_only=True,
+                                                   timeout_s=BISECT_TIMEOUT_S)])
         if not listing.completed:
             return outcome
         total = Outcome(seconds=outcome.seconds + listing.seconds)
-        self._bisect(module, listing.ids, (0, len(listing.ids)), outcome.note, total)
+        self._bisect(job, listing.ids, (0, len(listing.ids)), outcome.note, total)
         return total
 
-    def _bisect(self, module: str, ids: list[str], window: tuple[int, int], note: str,
+    def _bisect(self, job: Job, ids: list[str], window: tuple[int, int], note: str,
                 total: Outcome) -> None:
         start, stop = window
         if stop - start == 1:
@@ -292,13 +319,14 @@ class Runner:
             return
         middle = (start + stop) // 2
         halves = [(start, middle), (middle, stop)]
-        jobs = [Job(module, window=half, timeout_s=BISECT_TIMEOUT_S) for half in halves]
+        jobs = [dataclasses.replace(job, window=half, timeout_s=BISECT_TIMEOUT_S)
+                for half in halves]
         for half, outcome in zip(halves, self.run(jobs), strict=True):
             if outcome.completed:
                 total.add(outcome)
             elif outcome.crashed or outcome.timed_out:
                 kind = "crashed" if outcome.crashed else "hung"
-                self._bisect(module, ids, half, f"{kind}: {outcome.note}", total)
+                self._bisect(job, ids, half, f"{kind}: {outcome.note}", total)
             else:  # no report for another reason: these tests count as errors, all of them
                 total.run += half[1] - half[0]
                 total.errored.update((name, outcome.note) for name in ids[half[0]:half[1]])
@@ -528,6 +556,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per module")
     parser.add_argument("--eryx", action="store_true",
                         help="also run every module in eryx and compare failing tests")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="run only these tests, test classes or doctests of each module "
+                             "(ids, or names within the module: TestKDE, TestKDE.test_kde)")
+    parser.add_argument("--durations", type=int, default=0, metavar="N",
+                        help="print each module's N slowest tests, timed by the guest's "
+                             "clock (wasibox's is virtual: 1 ns per unit of fuel)")
     parser.add_argument("--json", type=Path, help="also write every row, with test ids, here")
     args = parser.parse_args()
 
@@ -566,9 +600,13 @@ def main() -> int:
     ours = Wasibox(lib_test, args.timeout)
     rows: list[Row] = []
     for module in args.modules:
-        row = Row(module, ours.module(module))
+        only = None if args.tests is None else tuple(
+            name if name.startswith("test.") else f"test.{module}.{name}"
+            for name in args.tests)
+        job = Job(module, only=only, slowest=args.durations)
+        row = Row(module, ours.module(job))
         if eryx is not None:
-            row.eryx = eryx.module(module)
+            row.eryx = eryx.module(job)
             compare(row, ours, eryx)
         rows.append(row)
         line = f"{module:<20} {cells(row.wasibox)} {row.wasibox.seconds:>6.1f}"
@@ -577,6 +615,13 @@ def main() -> int:
         notes = [f"{runner}: {text}" for runner, text in
                  (("wasibox", note(row.wasibox)), ("eryx", note(row.eryx))) if text]
         print(line + "  " + "; ".join(notes), flush=True)
+        for runner, outcome in (("wasibox", row.wasibox), ("eryx", row.eryx)):
+            if outcome is None:
+                continue
+            for name, seconds in outcome.slowest:
+                print(f"    {runner:<8} {seconds:>8.1f} s  {name}", flush=True)
+            if outcome.missing:
+                print(f"    {runner:<8} no such tests: {', '.join(outcome.missing)}")
     report(rows, eryx is not None)
     if args.json:
         args.json.write_text(json.dumps(

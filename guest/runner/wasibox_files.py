@@ -13,7 +13,10 @@ calling the originals some other way) gains the guest nothing: the originals see
 
 Descriptors the host hands out are plain ints (from 256 up); functions given any other
 descriptor fall through to the original (stdio). ``dir_fd`` arguments are not supported,
-and ``os.supports_dir_fd`` says so, so library code does not try them.
+and ``os.supports_dir_fd`` says so, so library code does not try them. Arguments are checked
+as CPython's C functions check them (paths by ``_convert``, as its ``path_t`` converter),
+with the same exceptions, before anything reaches the host interface, whose bindings would
+abort the guest on a value of the wrong type or size.
 
 This module never imports the host package.
 """
@@ -22,6 +25,8 @@ import _io
 import builtins
 import errno
 import io
+import math
+import operator
 import os
 import posix
 import posixpath
@@ -29,6 +34,7 @@ import stat as _stat
 import sys
 import tokenize
 import types
+import warnings
 import weakref
 
 from componentize_py_types import Err
@@ -41,6 +47,10 @@ _F_READ, _F_WRITE, _F_CREATE, _F_EXCL, _F_TRUNC, _F_APPEND, _F_DIRECTORY, _F_NOF
     1 << i for i in range(9))
 _BUFFER_SIZE = 1 << 16  # bigger than io's default: each refill is a host call
 _READ_ALL_CHUNK = 1 << 20
+# The most one read or write moves, as on Linux (a larger count is not an error: the call
+# moves less); it keeps every count inside the interface's u32.
+_MAX_IO = 0x7FFFF000
+_S64 = 1 << 63  # times travel as s64 nanoseconds
 
 _ERRNO = {code: getattr(errno, "E" + code.name) for code in _files.ErrorCode}
 # Index = the `kind` field of a stat string (guest/wit/files.wit).
@@ -48,13 +58,12 @@ _KIND_BITS = (_stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK, 0)
 _DIRECTORY = 1
 _TAGS = {"f": _stat.S_IFREG, "d": _stat.S_IFDIR, "l": _stat.S_IFLNK, "o": 0}
 
-_real = {name: getattr(os, name) for name in (
-    "read", "write", "close", "lseek", "fstat", "ftruncate", "fsync", "isatty", "listdir",
-    "scandir", "stat", "fdatasync", "dup", "pread", "pwrite")}
+_real = {}  # name: the os function install() replaced, for what is not the host's
 _real_open = io.open
 _RealFileIO = io.FileIO
 
 _fds = set()  # descriptors the host gave this run
+_nonblocking = set()  # of _fds: O_NONBLOCK asked for, which files ignore as on Linux
 _opened = weakref.WeakSet()  # file objects made by open(), closed at the end of the run
 _cwd = "/"
 
@@ -83,13 +92,47 @@ def _call(function, *args, filename=None, filename2=None):
     raise _error(code, filename, filename2)
 
 
-def _path(path):
-    """The absolute guest path of a str, bytes or path-like argument."""
-    name = os.fspath(path)
+_KINDS = {(False, False): "string, bytes or os.PathLike",
+          (True, False): "string, bytes, os.PathLike or integer",
+          (False, True): "string, bytes, os.PathLike or None",
+          (True, True): "string, bytes, os.PathLike, integer or None"}
+
+
+def _convert(function, value, argument="path", allow_fd=False, nullable=False):
+    """An os function's path argument, checked as CPython's ``path_t`` converter checks it:
+    a str or bytes (what ``__fspath__`` returned, for a path-like), an int descriptor where
+    ``allow_fd``, None where ``nullable``. Raises TypeError for any other type (bytearray
+    and memoryview too) and ValueError for an embedded NUL, with CPython's messages; the
+    arguments of the host interface are never of the wrong type."""
+    if value is None and nullable:
+        return None
+    if allow_fd and not isinstance(value, (str, bytes)) and \
+            hasattr(type(value), "__index__"):
+        return operator.index(value)
+    if not isinstance(value, (str, bytes)):
+        fspath = getattr(type(value), "__fspath__", None)
+        if fspath is None:
+            raise TypeError(f"{function}: {argument} should be {_KINDS[allow_fd, nullable]}, "
+                            f"not {type(value).__name__}")
+        result = fspath(value)
+        if not isinstance(result, (str, bytes)):
+            raise TypeError(f"expected {type(value).__name__}.__fspath__() to return str or "
+                            f"bytes, not {type(result).__name__}")
+        value = result
+    if ("\x00" if isinstance(value, str) else b"\x00") in value:
+        raise ValueError(f"{function}: embedded null character in {argument}")
+    return value
+
+
+def _path(function, path, argument="path", allow_fd=False):
+    """The absolute guest path of a str, bytes or path-like argument, or the descriptor an
+    integer is where ``allow_fd`` (``_convert``'s checks). Raises FileNotFoundError for a
+    name no mount can hold."""
+    name = _convert(function, path, argument, allow_fd)
+    if isinstance(name, int):
+        return name
     if isinstance(name, bytes):
         name = os.fsdecode(name)
-    if "\x00" in name:
-        raise ValueError("embedded null character in path")
     if not name:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     try:
@@ -99,6 +142,29 @@ def _path(path):
     if not name.startswith("/"):
         name = _cwd.rstrip("/") + "/" + name
     return name
+
+
+def _ours(fd):
+    """Whether ``fd`` is a descriptor the host gave this run (not one equal to it, as
+    256.0 is: that goes to the original function, which raises TypeError)."""
+    return isinstance(fd, int) and fd in _fds
+
+
+def _int64(value):
+    """An offset or length as CPython's ``off_t`` converter takes it: an integer (TypeError
+    otherwise) that fits in 64 bits (OverflowError otherwise)."""
+    value = operator.index(value)
+    if not -_S64 <= value < _S64:
+        raise OverflowError("Python int too large to convert to C long")
+    return value
+
+
+def _count(size):
+    """A byte count to read: an integer, not negative, at most what one call moves."""
+    size = operator.index(size)
+    if size < 0:
+        raise ValueError("negative size")
+    return min(size, _MAX_IO)
 
 
 def _no_dir_fd(dir_fd, name):
@@ -132,45 +198,56 @@ def _os_open(path, flags, mode=0o777, *, dir_fd=None, _extra=0):
                       (os.O_NOFOLLOW, _F_NOFOLLOW)):
         if flags & flag:
             bits |= bit
-    fd = _call(_files.open, _path(path), bits, mode & 0o7777, filename=path)
+    fd = _call(_files.open, _path("open", path), bits, mode & 0o7777, filename=path)
     _fds.add(fd)
     return fd
 
 
 def _read(fd, size):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["read"](fd, size)
-    if size < 0:
-        raise ValueError("negative size")
-    return _call(_files.read, fd, size).encode("latin-1")
+    return _call(_files.read, fd, _count(size)).encode("latin-1")
+
+
+def _readinto(fd, buffer):
+    if not _ours(fd):
+        return _real["readinto"](fd, buffer)
+    view = memoryview(buffer)  # TypeError for what is not a buffer, as CPython's
+    if view.readonly:
+        raise TypeError("readinto() argument 2 must be read-write bytes-like object, not "
+                        f"{type(buffer).__name__}")
+    view = view.cast("B")
+    data = _read(fd, len(view))
+    view[:len(data)] = data
+    return len(data)
 
 
 def _write(fd, data):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["write"](fd, data)
     return _call(_files.write, fd, bytes(data).decode("latin-1"))
 
 
 def _pread(fd, size, offset):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["pread"](fd, size, offset)
-    if size < 0:
-        raise ValueError("negative size")
+    size, offset = _count(size), _int64(offset)
     if offset < 0:
         raise _error(_files.ErrorCode.INVAL)
     return _call(_files.pread, fd, size, offset).encode("latin-1")
 
 
 def _pwrite(fd, data, offset):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["pwrite"](fd, data, offset)
+    offset = _int64(offset)
     if offset < 0:
         raise _error(_files.ErrorCode.INVAL)
     return _call(_files.pwrite, fd, bytes(data).decode("latin-1"), offset)
 
 
 def _dup(fd):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["dup"](fd)
     new = _call(_files.dup, fd)
     _fds.add(new)
@@ -178,27 +255,32 @@ def _dup(fd):
 
 
 def _close(fd):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["close"](fd)
     _fds.discard(fd)
+    _nonblocking.discard(fd)
     _call(_files.close, fd)
 
 
 def _lseek(fd, position, how):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["lseek"](fd, position, how)
+    position, how = _int64(position), operator.index(how)
+    if how not in (os.SEEK_SET, os.SEEK_CUR, os.SEEK_END):
+        raise _error(_files.ErrorCode.INVAL)
     return _call(_files.seek, fd, position, how)
 
 
 def _fstat(fd):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["fstat"](fd)
     return _stat_result(_fields(_call(_files.fstat, fd)))
 
 
 def _ftruncate(fd, length):
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["ftruncate"](fd, length)
+    length = _int64(length)
     if length < 0:
         raise _error(_files.ErrorCode.INVAL)
     _call(_files.truncate, fd, length)
@@ -206,7 +288,7 @@ def _ftruncate(fd, length):
 
 def _fsync(fd):
     fd = fd if isinstance(fd, int) else fd.fileno()
-    if fd not in _fds:
+    if not _ours(fd):
         return _real["fsync"](fd)
     _call(_files.fstat, fd)  # the host publishes whole files; there is nothing to sync
 
@@ -216,37 +298,48 @@ def _fdatasync(fd):
 
 
 def _isatty(fd):
-    if fd in _fds:
+    if _ours(fd):
         return False
     return _real["isatty"](fd)
 
 
+def _get_blocking(fd):
+    if not _ours(fd):
+        return _real["get_blocking"](fd)
+    return fd not in _nonblocking
+
+
+def _set_blocking(fd, blocking):
+    if not _ours(fd):
+        return _real["set_blocking"](fd, blocking)
+    (_nonblocking.discard if blocking else _nonblocking.add)(fd)
+
+
 # -- os: paths --------------------------------------------------------------------------------
 
-def _os_stat(path, *, dir_fd=None, follow_symlinks=True):
-    if isinstance(path, int):
-        return _fstat(path)
-    _no_dir_fd(dir_fd, "stat")
+def _os_stat(path, *, dir_fd=None, follow_symlinks=True, _function="stat"):
+    name = _path(_function, path, allow_fd=_function == "stat")
+    if isinstance(name, int):
+        return _fstat(name)
+    _no_dir_fd(dir_fd, _function)
     # The host follows a final link (or not), in the guest's namespace.
-    return _stat_result(_fields(_call(_files.stat, _path(path), bool(follow_symlinks),
+    return _stat_result(_fields(_call(_files.stat, name, bool(follow_symlinks),
                                       filename=path)))
 
 
 def _lstat(path, *, dir_fd=None):
-    return _os_stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    return _os_stat(path, dir_fd=dir_fd, follow_symlinks=False, _function="lstat")
 
 
-def _entries(path):
-    text = _call(_files.readdir, _path(path), filename=path)
+def _entries(function, path):
+    text = _call(_files.readdir, _path(function, path), filename=path)
     return [(item[1:], _TAGS[item[0]]) for item in text.split("/")] if text else []
 
 
 def _listdir(path=None):
-    if isinstance(path, int):
-        return _real["listdir"](path)
-    path = "." if path is None else path
-    names = [name for name, _ in _entries(path)]
-    if isinstance(os.fspath(path), bytes):
+    name = _convert("listdir", path, nullable=True)  # no descriptor, as on WASI
+    names = [entry for entry, _ in _entries("listdir", "." if name is None else name)]
+    if isinstance(name, bytes):
         return [os.fsencode(name) for name in names]
     return names
 
@@ -300,19 +393,36 @@ class DirEntry:
     def __repr__(self):
         return f"<DirEntry {self.name!r}>"
 
+    def __reduce__(self):  # os.DirEntry cannot be pickled or copied either
+        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
+
 
 class _ScandirIterator:
+    """os.scandir's iterator: dropped before its end without ``close()``, it warns with a
+    ResourceWarning, as CPython's does (its directory stream stays open until then)."""
+
     def __init__(self, entries):
         self._entries = iter(entries)
+        self._open = True
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self._entries)
+        try:
+            return next(self._entries)
+        except StopIteration:
+            self._open = False
+            raise
 
     def close(self):
         self._entries = iter(())
+        self._open = False
+
+    def __del__(self):
+        if self._open:
+            warnings.warn(f"unclosed scandir iterator {self!r}", ResourceWarning, 2,
+                          source=self)
 
     def __enter__(self):
         return self
@@ -322,11 +432,9 @@ class _ScandirIterator:
 
 
 def _scandir(path=None):
-    if isinstance(path, int):
-        return _real["scandir"](path)
-    path = "." if path is None else path
-    name = os.fspath(path)
-    entries = _entries(name)
+    name = _convert("scandir", path, nullable=True)  # no descriptor, as on WASI
+    name = "." if name is None else name
+    entries = _entries("scandir", name)
     if isinstance(name, bytes):
         text = os.fsdecode(name)
         made = [DirEntry(text, entry, kind) for entry, kind in entries]
@@ -338,77 +446,110 @@ def _scandir(path=None):
 
 def _mkdir(path, mode=0o777, *, dir_fd=None):
     _no_dir_fd(dir_fd, "mkdir")
-    _call(_files.mkdir, _path(path), mode & 0o7777, filename=path)
+    _call(_files.mkdir, _path("mkdir", path), mode & 0o7777, filename=path)
 
 
-def _unlink(path, *, dir_fd=None):
-    _no_dir_fd(dir_fd, "unlink")
-    _call(_files.unlink, _path(path), filename=path)
+def _unlink(path, *, dir_fd=None, _function="unlink"):
+    _no_dir_fd(dir_fd, _function)
+    _call(_files.unlink, _path(_function, path), filename=path)
+
+
+def _remove(path, *, dir_fd=None):  # os.unlink under the name its errors give
+    _unlink(path, dir_fd=dir_fd, _function="remove")
 
 
 def _rmdir(path, *, dir_fd=None):
     _no_dir_fd(dir_fd, "rmdir")
-    _call(_files.rmdir, _path(path), filename=path)
+    _call(_files.rmdir, _path("rmdir", path), filename=path)
 
 
-def _rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
-    _no_dir_fd(src_dir_fd, "rename")
-    _no_dir_fd(dst_dir_fd, "rename")
-    _call(_files.rename, _path(src), _path(dst), filename=src, filename2=dst)
+def _rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None, _function="rename"):
+    _no_dir_fd(src_dir_fd, _function)
+    _no_dir_fd(dst_dir_fd, _function)
+    _call(_files.rename, _path(_function, src, "src"), _path(_function, dst, "dst"),
+          filename=src, filename2=dst)
+
+
+def _replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):  # os.rename, named replace
+    _rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, _function="replace")
 
 
 def _chmod(path, mode, *, dir_fd=None, follow_symlinks=True):
     _no_dir_fd(dir_fd, "chmod")
-    if isinstance(path, int):
-        raise _error(_files.ErrorCode.PERM)
-    if not follow_symlinks and _stat.S_ISLNK(_lstat(path).st_mode):
+    name = _path("chmod", path)
+    if not follow_symlinks and _stat.S_ISLNK(_lstat(name).st_mode):
         # As CPython on Linux, where fchmodat cannot change a link's own mode.
         raise NotImplementedError("chmod: follow_symlinks unavailable on this platform")
-    _call(_files.chmod, _path(path), mode & 0o7777, filename=path)
+    _call(_files.chmod, name, mode & 0o7777, filename=path)
+
+
+def _seconds_ns(value):
+    """A time in seconds (int or float) as integer nanoseconds, rounded down as CPython's
+    utime rounds it. Raises TypeError, ValueError (NaN) or OverflowError as CPython does."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("Invalid value NaN (not a number)")
+        fraction, whole = math.modf(value)
+        if not -_S64 <= whole < _S64:
+            raise OverflowError("timestamp out of range for platform time_t")
+        return int(whole) * 10**9 + math.floor(fraction * 1e9)
+    return _ns_of(operator.index(value) * 10**9)
+
+
+def _ns_of(value):
+    """Nanoseconds from an object of ``ns``: split with divmod, as CPython splits it."""
+    parts = divmod(value, 10**9)
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        raise TypeError(f"{type(value).__name__}.__divmod__() must return a 2-tuple, not "
+                        f"{type(parts).__name__}")
+    seconds, nanoseconds = operator.index(parts[0]), operator.index(parts[1])
+    if not -_S64 <= seconds * 10**9 + nanoseconds < _S64:
+        raise OverflowError("timestamp out of range for platform time_t")
+    return seconds * 10**9 + nanoseconds
 
 
 def _utime(path, times=None, *, ns=None, dir_fd=None, follow_symlinks=True):
+    name = _path("utime", path)
     _no_dir_fd(dir_fd, "utime")
-    if isinstance(path, int):
-        raise _error(_files.ErrorCode.PERM)
     if times is not None and ns is not None:
         raise ValueError("utime: you may specify either 'times' or 'ns' but not both")
     if times is not None:
-        atime, mtime = (int(value * 10**9) for value in times)
-        now = False
+        if type(times) is not tuple or len(times) != 2:
+            raise TypeError("utime: 'times' must be either a tuple of two ints or None")
+        (atime, mtime), now = (_seconds_ns(value) for value in times), False
     elif ns is not None:
-        atime, mtime = ns
-        now = False
+        if type(ns) is not tuple or len(ns) != 2:
+            raise TypeError("utime: 'ns' must be a tuple of two ints")
+        (atime, mtime), now = (_ns_of(value) for value in ns), False
     else:
+        # The host sets the run's clock's time: the virtual one unless it grants the real.
         atime = mtime = 0
         now = True
-    _call(_files.utime, _path(path), atime, mtime, now, bool(follow_symlinks), filename=path)
+    _call(_files.utime, name, atime, mtime, now, bool(follow_symlinks), filename=path)
 
 
 def _link(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
-    _call(_files.link, _path(src), _path(dst), filename=src, filename2=dst)
+    _call(_files.link, _path("link", src, "src"), _path("link", dst, "dst"), filename=src,
+          filename2=dst)
 
 
 def _symlink(src, dst, target_is_directory=False, *, dir_fd=None):
     _no_dir_fd(dir_fd, "symlink")
-    target = os.fspath(src)
-    if isinstance(target, bytes):
-        target = os.fsdecode(target)
-    if "\x00" in target:
-        raise ValueError("embedded null character in src")
+    target = os.fsdecode(_convert("symlink", src, "src"))
     # Stored as given: the host reads it back only to resolve it in this guest's namespace.
-    _call(_files.symlink, target, _path(dst), filename=src, filename2=dst)
+    _call(_files.symlink, target, _path("symlink", dst, "dst"), filename=src, filename2=dst)
 
 
 def _readlink(path, *, dir_fd=None):
     _no_dir_fd(dir_fd, "readlink")
-    target = _call(_files.readlink, _path(path), filename=path)
-    return os.fsencode(target) if isinstance(os.fspath(path), bytes) else target
+    name = _convert("readlink", path)
+    target = _call(_files.readlink, _path("readlink", name), filename=path)
+    return os.fsencode(target) if isinstance(name, bytes) else target
 
 
 def _access(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=True):
-    try:
-        st = _os_stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    try:  # a TypeError or ValueError of the path is raised, not "no access"
+        st = _os_stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks, _function="access")
     except OSError:
         return False
     if mode & os.W_OK and not st.st_mode & 0o222:
@@ -419,8 +560,10 @@ def _access(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=Tru
 
 
 def _truncate(path, length):
-    if isinstance(path, int):
-        return _ftruncate(path, length)
+    name = _path("truncate", path, allow_fd=True)
+    if isinstance(name, int):
+        return _ftruncate(name, length)
+    length = _int64(length)
     if length < 0:
         raise _error(_files.ErrorCode.INVAL, path)  # before the path, as Linux checks
     fd = _os_open(path, os.O_WRONLY)
@@ -440,9 +583,7 @@ def _getcwdb():
 
 def _chdir(path):
     global _cwd
-    if isinstance(path, int):
-        raise _error(_files.ErrorCode.BADF)
-    target = _path(path)
+    target = _path("chdir", path)  # no descriptor, as on WASI
     if _fields(_call(_files.stat, target, True, filename=path))[0] != _DIRECTORY:
         raise _error(_files.ErrorCode.NOTDIR, path)
     # Where the path leads, links resolved, as getcwd() reports it on Linux: a later ".."
@@ -570,6 +711,9 @@ def _open_path(file, kind, updating, closefd, opener):
     and io.FileIO open it; an ``opener``'s descriptor is returned unchecked."""
     if not isinstance(file, (str, bytes, os.PathLike)):
         raise TypeError(f"expected str, bytes or os.PathLike object, not {type(file).__name__}")
+    name = os.fspath(file)  # FileIO's own check, with its message (not path_t's)
+    if ("\x00" if isinstance(name, str) else b"\x00") in name:
+        raise ValueError("embedded null byte")
     if not closefd:
         raise ValueError("Cannot use closefd=False with file name")
     flags = os.O_RDWR if updating else os.O_RDONLY if kind == "r" else os.O_WRONLY
@@ -653,12 +797,13 @@ def _open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None
 # -- installing, and the end of a run ----------------------------------------------------------
 
 _PATCHES = {
-    "open": _os_open, "read": _read, "write": _write, "close": _close, "lseek": _lseek,
+    "open": _os_open, "read": _read, "readinto": _readinto, "write": _write, "close": _close, "lseek": _lseek,
     "pread": _pread, "pwrite": _pwrite, "dup": _dup,
     "fstat": _fstat, "ftruncate": _ftruncate, "fsync": _fsync, "fdatasync": _fdatasync,
-    "isatty": _isatty, "stat": _os_stat, "lstat": _lstat, "listdir": _listdir,
-    "scandir": _scandir, "mkdir": _mkdir, "unlink": _unlink, "remove": _unlink,
-    "rmdir": _rmdir, "rename": _rename, "replace": _rename, "chmod": _chmod, "utime": _utime,
+    "isatty": _isatty, "get_blocking": _get_blocking, "set_blocking": _set_blocking,
+    "stat": _os_stat, "lstat": _lstat, "listdir": _listdir,
+    "scandir": _scandir, "mkdir": _mkdir, "unlink": _unlink, "remove": _remove,
+    "rmdir": _rmdir, "rename": _rename, "replace": _replace, "chmod": _chmod, "utime": _utime,
     "link": _link, "symlink": _symlink, "readlink": _readlink, "access": _access,
     "truncate": _truncate, "getcwd": _getcwd, "getcwdb": _getcwdb, "chdir": _chdir,
 }
@@ -670,9 +815,9 @@ def install():
     # function, never becomes a bound method: the originals are built-ins, and code keeps
     # them as class attributes (``_unlink = os.unlink`` ... ``self._unlink(name)``).
     patches = {name: staticmethod(function) for name, function in _PATCHES.items()}
+    _real.update((name, getattr(os, name)) for name in patches if hasattr(os, name))
     # By id, each with its original, which keeps the original alive (and its id unused).
-    replaced = {id(getattr(os, name)): (getattr(os, name), patch)
-                for name, patch in patches.items() if hasattr(os, name)}
+    replaced = {id(original): (original, patches[name]) for name, original in _real.items()}
     for name, patch in patches.items():
         setattr(os, name, patch)
         # importlib calls posix directly (its ``_os``); so does linecache's stat via os.

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import wasibox
 from wasibox import Limit, Limits
+from wasibox.backends.wasm.run import VIRTUAL_EPOCH_S
 from wasibox.backends.wasm.traps import TRAP_KINDS, trap_kind
 from wasibox.capabilities.files.mount import STAGING_DIR
 
@@ -380,3 +381,179 @@ def test_trap_kind_of_any_text_is_a_known_kind_or_none(message: str) -> None:
     kind, frames = trap_kind(message)
     assert kind is None or kind in TRAP_KINDS.values()
     assert all(isinstance(frame, str) for frame in frames)
+
+
+#: The os functions whose path argument the file layer converts, each with the arguments
+#: after it; the original (the guest CPython's own, which sees no files) is the oracle.
+PATH_CALLS = {
+    "stat": "()", "lstat": "()", "access": "(os.F_OK,)", "open": "(os.O_RDONLY,)",
+    "listdir": "()", "scandir": "()", "mkdir": "()", "unlink": "()", "remove": "()",
+    "rmdir": "()", "chmod": "(0o644,)", "utime": "()", "rename": "('x',)",
+    "replace": "('x',)", "readlink": "()", "truncate": "(0,)", "chdir": "()",
+}
+#: Those whose original takes a descriptor: an integer is no bad argument there.
+TAKES_FD = {"stat", "truncate", "utime"}
+#: Path arguments no os function takes, as source for the guest.
+BAD_PATHS = st.one_of(
+    st.sampled_from(["1.5", "object()", "[]", "1j", "bytearray(b'x')", "memoryview(b'x')",
+                     "FakePath(3)", "FakePath(None)", "FakePath(1.5)",
+                     "FakePath(bytearray(b'x'))", "FakePath(FakePath('x'))"]),
+    st.tuples(st.text(st.characters(codec="utf-8", exclude_characters="\x00")),
+              st.text(st.characters(codec="utf-8"))).map(lambda p: repr(p[0] + "\x00" + p[1])),
+    st.binary().map(lambda data: repr(data + b"\x00")),
+    st.integers(-2**70, 2**70).map(repr),
+).flatmap(lambda source: st.sampled_from([source, f"FakePath({source})"]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(source=BAD_PATHS)
+def test_path_arguments_are_checked_as_cpythons_path_t_converter(source: str) -> None:
+    # CPython's test_os (PathTConverterTests, TestPEP519, TestScandir.test_bytes_like)
+    # checks the exception type and message of each kind of bad path.
+    integer = source.lstrip("-").isdigit()  # a descriptor, not a path, to open()
+    calls = {name: extra for name, extra in PATH_CALLS.items()
+             if not (name in TAKES_FD and integer)}
+    result = sandbox_run(textwrap.dedent(f"""
+        import io, os, sys
+        layer = sys.modules["wasibox_files"]
+        originals = layer._real
+        class FakePath:
+            def __init__(self, path):
+                self.path = path
+            def __fspath__(self):
+                return self.path
+        def outcome(function, extra):
+            try:
+                function(eval({source!r}), *eval(extra))
+            except Exception as exc:
+                return type(exc).__name__ + ": " + str(exc)
+            return "no error"
+        pairs = [(name, getattr(os, name), originals[name], extra)
+                 for name, extra in {calls!r}.items()]
+        if not {integer!r}:
+            pairs += [("open()", open, layer._real_open, "()"),
+                      ("FileIO", io.FileIO, layer._RealFileIO, "()")]
+        for name, function, original, extra in pairs:
+            ours, native = outcome(function, extra), outcome(original, extra)
+            if name == "utime":  # not in os.supports_fd here: an integer is a bad path
+                native = native.replace(", os.PathLike or integer", " or os.PathLike")
+            print(name, ours == native, ours, "|", native)
+    """))
+    assert result.ok, result.error
+    differ = [line for line in result.stdout.splitlines() if line.split()[1] != "True"]
+    assert not differ, "\n".join(differ)
+    assert len(result.stdout.splitlines()) == len(calls) + (0 if integer else 2)
+
+
+def test_descriptor_calls_on_a_mount_behave_as_cpythons(tmp_path: Path) -> None:
+    # CPython's test_os: os.readinto (new in 3.14), get_blocking/set_blocking, DirEntry's
+    # refusal to pickle, scandir's ResourceWarning; and arguments the host interface cannot
+    # carry (a float descriptor, a size past 32 bits), which ended the run in a trap.
+    (tmp_path / "data").write_bytes(b"spam")
+    with wasibox.Sandbox(workspace=tmp_path) as sandbox:
+        result = sandbox.run(textwrap.dedent("""
+            import copy, gc, os, pickle, warnings
+            def outcome(call):
+                try:
+                    return repr(call())
+                except Exception as exc:
+                    return type(exc).__name__
+            fd = os.open("/workspace/data", os.O_RDWR)
+            buffer = bytearray(7)
+            print(os.readinto(fd, buffer), bytes(buffer), os.readinto(fd, buffer),
+                  os.readinto(fd, bytearray()))
+            print([outcome(lambda: os.readinto(fd, bad)) for bad in ("x", b"", 14)],
+                  outcome(lambda: os.readinto(float(fd), buffer)))
+            os.lseek(fd, 0, 0)
+            print(os.read(fd, 2**40), outcome(lambda: os.read(fd, "1")),
+                  outcome(lambda: os.read(float(fd), 1)), outcome(lambda: os.lseek(fd, 0, 300)),
+                  outcome(lambda: os.lseek(fd, 2**70, 0)),
+                  outcome(lambda: os.ftruncate(fd, 2**64)),
+                  outcome(lambda: os.pread(fd, 1, 2**64)))
+            print(os.get_blocking(fd), end=" ")
+            os.set_blocking(fd, False)
+            print(os.get_blocking(fd), end=" ")
+            os.set_blocking(fd, True)
+            print(os.get_blocking(fd))
+            os.close(fd)
+            print(outcome(lambda: os.readinto(fd, buffer)), outcome(lambda: os.get_blocking(fd)))
+            entry = next(iter(os.scandir("/workspace")))
+            print(outcome(lambda: pickle.dumps(entry)), outcome(lambda: copy.copy(entry)))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                iterator = os.scandir("/workspace")
+                next(iterator)
+                del iterator
+                list(os.scandir("/workspace"))
+                with os.scandir("/workspace") as iterator:
+                    next(iterator)
+                gc.collect()
+            print([str(warning.category.__name__) for warning in caught])
+        """))
+    assert result.ok, result.error
+    assert result.stdout.splitlines() == [
+        "4 b'spam\\x00\\x00\\x00' 0 0",
+        "['TypeError', 'TypeError', 'TypeError'] TypeError",
+        "b'spam' TypeError TypeError OSError OverflowError OverflowError OverflowError",
+        "True False True",
+        "OSError OSError",
+        "TypeError TypeError",
+        "['ResourceWarning']",
+    ]
+
+
+def test_utime_now_is_the_runs_clock_and_bad_times_are_refused(tmp_path: Path) -> None:
+    # os.utime(path) set the host's time: a virtual-clock run read the host's clock off
+    # the file (and was no longer deterministic). test_os's UtimeTests.
+    program = textwrap.dedent("""
+        import os, time
+        class BadInt:
+            def __init__(self, answer):
+                self.answer = answer
+            def __divmod__(self, other):
+                return self.answer
+        def outcome(call):
+            try:
+                call()
+            except Exception as exc:
+                return type(exc).__name__
+            return "ok"
+        open("/workspace/f", "w").close()
+        os.utime("/workspace/f")
+        print(os.stat("/workspace/f").st_mtime_ns, time.time_ns())
+        bad = [lambda: os.utime("/workspace/f", [5, 5]), lambda: os.utime("/workspace/f", (5,)),
+               lambda: os.utime("/workspace/f", ns=[5, 5]),
+               lambda: os.utime("/workspace/f", ns=(BadInt(42), 1)),
+               lambda: os.utime("/workspace/f", ns=(BadInt((1, 2, 3)), 1)),
+               lambda: os.utime("/workspace/f", ns=(2**70, 0)),
+               lambda: os.utime("/workspace/f", (float("nan"), 0)),
+               lambda: os.utime("/workspace/f", ("1", 0)),
+               lambda: os.utime(3, (5, 5))]
+        print(*[outcome(call) for call in bad])
+        os.utime("/workspace/f", (1.75, 2.25))
+        print(os.stat("/workspace/f").st_atime_ns, os.stat("/workspace/f").st_mtime_ns)
+        os.utime("/workspace/f", ns=(BadInt((3, 4)), 5))
+        print(os.stat("/workspace/f").st_atime_ns, os.stat("/workspace/f").st_mtime_ns)
+    """)
+    lines = []
+    for run in ("first", "second", "real"):
+        (tmp_path / run).mkdir()
+    for run in ("first", "second"):
+        with wasibox.Sandbox(workspace=tmp_path / run) as sandbox:
+            result = sandbox.run(program)
+        assert result.ok, result.error
+        lines.append(result.stdout.splitlines())
+    mtime, now = map(int, lines[0][0].split())
+    assert lines[0] == lines[1]  # deterministic, as a virtual-clock run is
+    assert VIRTUAL_EPOCH_S * 10**9 < mtime <= now < mtime + 10**9
+    assert lines[0][1:] == [
+        "TypeError TypeError TypeError TypeError TypeError OverflowError ValueError "
+        "TypeError TypeError",
+        "1750000000 2250000000",
+        "3000000004 5",  # divmod(BadInt, 10**9) is (3, 4): 3 s and 4 ns
+    ]
+    with wasibox.Sandbox(workspace=tmp_path / "real", clock="real") as sandbox:
+        before = time.time_ns()
+        result = sandbox.run(program)
+    assert result.ok, result.error
+    assert before <= int(result.stdout.split()[0]) <= time.time_ns()

@@ -140,11 +140,23 @@ def _file_op(method: str, tagged: bool) -> Any:
     kind = f"files.{method}"
 
     def op(run: Run, context: Any, *args: Any) -> Any:
+        if method == "utime":
+            args = _utime_args(run, context, *args)
         tag, value = (answer(run, args) if run.job.tape is None
                       else taped(run, kind, args, lambda: answer(run, args)))
         return cm.Variant(tag, value) if tagged else value
 
     return op
+
+
+def _utime_args(run: Run, context: Any, path: str, atime: int, mtime: int, now: bool,
+                follow: bool) -> tuple[str, int, int, bool]:
+    """``FileSession.utime``'s arguments: "now" is the run's wall clock (the virtual one
+    unless the policy grants the real), so a guest never reads the host's time off a file
+    it touched, and a virtual-clock run stays deterministic."""
+    if now:
+        atime = mtime = run.wall_ns(context)
+    return path, atime, mtime, follow
 
 
 def define_host(linker: cm.Linker, native: ModuleType | None = None) -> None:

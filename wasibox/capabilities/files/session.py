@@ -633,10 +633,10 @@ class FileSession:
 
         self._with_own_inode(mounted, rel, change)
 
-    def utime(self, path: str, atime: int, mtime: int, now: bool, follow: bool = True,
-              ) -> None:
-        """Set the access and modification times of ``path`` (nanoseconds), or both to now;
-        without ``follow``, of a final symbolic link itself."""
+    def utime(self, path: str, atime: int, mtime: int, follow: bool = True) -> None:
+        """Set the access and modification times of ``path`` (nanoseconds); without
+        ``follow``, of a final symbolic link itself. The backend turns the guest's "now"
+        into its run's clock's time, never the host's. Raises FilesError."""
         mounted, rel, _ = self._mutable(path, follow=follow)
         if not follow and rel:
             parent = self._parent(mounted, rel)
@@ -646,14 +646,12 @@ class FileSession:
                 if stat.S_ISLNK(st.st_mode):
                     # A link the guest made in the staging tree (the host's own are never
                     # staged): utimensat changes the link and never follows it.
-                    self._guarded(lambda: os.utime(name, dir_fd=parent, follow_symlinks=False)
-                                  if now else os.utime(name, ns=(atime, mtime), dir_fd=parent,
-                                                       follow_symlinks=False))
+                    self._guarded(lambda: os.utime(name, ns=(atime, mtime), dir_fd=parent,
+                                                   follow_symlinks=False))
                     return
             finally:
                 os.close(parent)
-        self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd) if now
-                             else os.utime(fd, ns=(atime, mtime)))
+        self._with_own_inode(mounted, rel, lambda fd, st: os.utime(fd, ns=(atime, mtime)))
 
     def link(self, src: str, dst: str) -> None:
         """Hard links cannot be made (``perm``): one would tie a host file to the view."""
