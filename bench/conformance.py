@@ -168,6 +168,7 @@ GUEST_PROGRAM = textwrap.dedent("""
         failed += [[test.id(), "unexpected success"] for test in result.unexpectedSuccesses]
         reasons = collections.Counter(str(reason)[:120] for _, reason in result.skipped)
         return {"run": result.testsRun, "failed": failed, "skipped": len(result.skipped),
+                "skipped_ids": sorted({test.id() for test, _ in result.skipped}),
                 "errored": [[test.id(), summary(trace)] for test, trace in result.errors],
                 "skip_reasons": reasons.most_common(8), "missing": sorted(missing),
                 "slowest": sorted(Timed.times.items(), key=lambda item: -item[1])[:SLOWEST]}
@@ -229,6 +230,8 @@ class Outcome:
     errored: dict[str, str] = dataclasses.field(default_factory=dict)
     skipped: int = 0
     skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The ids of the tests skipped (a failure eryx skips is not one eryx passes).
+    skipped_ids: set[str] = dataclasses.field(default_factory=set)
     missing: list[str] = dataclasses.field(default_factory=list)
     ids: list[str] = dataclasses.field(default_factory=list)
     #: The slowest tests and their seconds by the guest's clock, slowest first.
@@ -260,6 +263,7 @@ class Outcome:
         self.failed.update(other.failed)
         self.errored.update(other.errored)
         self.skipped += other.skipped
+        self.skipped_ids |= other.skipped_ids
         for reason, number in other.skip_reasons.items():
             self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + number
         self.seconds += other.seconds
@@ -283,6 +287,7 @@ def parse_report(stdout: str) -> Outcome | None:
     return Outcome(run=report["run"], failed=dict(report["failed"]),
                    errored=dict(report["errored"]), skipped=report["skipped"],
                    skip_reasons={str(r): int(n) for r, n in report["skip_reasons"]},
+                   skipped_ids={str(name) for name in report.get("skipped_ids", ())},
                    missing=list(report["missing"]),
                    slowest=[(str(name), float(s)) for name, s in report.get("slowest", [])])
 
@@ -495,6 +500,9 @@ class Row:
     #: ``wasibox_only``: failures wasibox adds.
     wasibox_only: dict[str, str] = dataclasses.field(default_factory=dict)
     order_dependent: list[str] = dataclasses.field(default_factory=list)
+    #: Tests failing in wasibox that eryx skips: neither a failure eryx shares nor a test
+    #: it passes (eryx cannot make symbolic links, say), so they are listed on their own.
+    eryx_skips: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def compare(row: Row, ours: Wasibox, eryx: Eryx) -> None:
@@ -503,12 +511,17 @@ def compare(row: Row, ours: Wasibox, eryx: Eryx) -> None:
     if not bad or row.eryx is None:
         return
     if row.eryx.completed:
+        skipped = row.eryx.skipped_ids
         candidates = sorted(set(bad) - set(row.eryx.bad))
     else:  # eryx could not run the module: ask it about wasibox's failures alone
         (rerun,) = eryx.run([Job(row.module, only=test_ids(bad))])
+        skipped = rerun.skipped_ids
         candidates = (sorted(name for name in set(bad) - set(rerun.bad)
                              if test_ids([name])[0] not in rerun.missing)
                       if rerun.completed else [])
+    row.eryx_skips = {name: bad[name] for name in candidates
+                      if test_ids([name])[0] in skipped}
+    candidates = [name for name in candidates if name not in row.eryx_skips]
     if not candidates:
         return
     # Each test in a run of its own: run together, one that leaves the scratch directory
@@ -626,7 +639,8 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(
             {"guest_version": version, "lib_test": origin,
-             "rows": [dataclasses.asdict(row) for row in rows]}, indent=1), encoding="utf-8")
+             "rows": [dataclasses.asdict(row) for row in rows]}, indent=1, default=sorted),
+            encoding="utf-8")
     return 0
 
 
@@ -651,16 +665,19 @@ def report(rows: list[Row], with_eryx: bool) -> None:
     for reason, number in sorted(reasons.items(), key=lambda item: -item[1])[:15]:
         print(f"  {number:>5}  {reason}")
     print("failing tests (wasibox only: eryx passes it; order: fails only after the "
-          "module's other tests):")
+          "module's other tests; eryx skips: eryx does not run it):")
     for row in rows:
         for name, summary in row.wasibox.bad.items():
             tag = ("wasibox only" if name in row.wasibox_only else
-                   "order" if name in row.order_dependent else "")
+                   "order" if name in row.order_dependent else
+                   "eryx skips" if name in row.eryx_skips else "")
             print(f"  {tag:<12} {name}: {summary}"[:220])
     if with_eryx:
         only = sum(len(row.wasibox_only) for row in rows)
+        skips = sum(len(row.eryx_skips) for row in rows)
         print(f"\n{only} failing tests are wasibox's alone (eryx passes them, and they fail "
-              f"in wasibox run on their own too)")
+              f"in wasibox run on their own too); {skips} more fail in wasibox where eryx "
+              f"skips them")
 
 
 if __name__ == "__main__":
