@@ -346,14 +346,15 @@ def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None
         assert t.map(records, progress=seen.append) == expected(records)
         sizes = batch_sizes(seen)
         assert all(p.split == 0 for p in seen)
-        # Each batch again on its own (progress's fuel may already count the batch that runs
-        # ahead): the same records burn the same fuel.
-        burnt = []
+        # Progress counts the batches settled, never the one already running ahead: each
+        # batch's share is what the same records burn when run again on their own.
+        reported = [p.fuel_used for p in seen]
+        burnt = [after - before for before, after in zip([0, *reported], reported, strict=False)]
         starts = [0, *(p.done for p in seen)]
-        for first, end in zip(starts, starts[1:], strict=False):
+        for first, end, used in zip(starts, starts[1:], burnt, strict=False):
             before = t.fuel_used
             t.map(records[first:end], batch_size=end - first, progress=False)
-            burnt.append(t.fuel_used - before)
+            assert t.fuel_used - before == used
     # Sized from the fuel per record of the batch two before, fixed cost included: never
     # above the share, and held below fourfold growth by it (the last batch is what is left).
     assert all(used <= fuel // wasibox._transform.AUTO_FUEL_SHARE for used in burnt[2:])

@@ -121,6 +121,8 @@ class TransformProgress:
     done: int
     total: int | None
     failed: int
+    #: Fuel of this map's batches settled so far, re-runs of split ones included (not of
+    #: the batch already running ahead), so the same map reports the same figures.
     fuel_used: int
     elapsed_s: float
     #: Batches split in two so far because they exceeded a limit (or their reply was
@@ -223,6 +225,9 @@ class Transform:
         self._backend_choice = backend
         self._lock = threading.Lock()
         self._fuel_used = 0
+        #: The fuel of the batches settled (decoded, or split and re-run): what progress
+        #: reports, which must not count the batch already running ahead of them.
+        self._settled_fuel = 0
         self._batches = 0
         self._splits = 0
         self._split_reason: str | None = None
@@ -355,7 +360,7 @@ class Transform:
                     total: int | None) -> Iterator[list[Any]]:
         started = time.perf_counter()
         done = failed = 0
-        fuel_before, splits_before = self._fuel_used, self._splits
+        fuel_before, splits_before = self._settled_fuel, self._splits
         index = start
         sizer = _AutoSize(self._sandbox.limits) if size == "auto" else None
         # Batches run one after another on a worker thread (wasm runs without the GIL) while
@@ -405,7 +410,7 @@ class Transform:
                     yield items
                     if report is not None:
                         report(TransformProgress(done=done, total=total, failed=failed,
-                                                 fuel_used=self._fuel_used - fuel_before,
+                                                 fuel_used=self._settled_fuel - fuel_before,
                                                  elapsed_s=time.perf_counter() - started,
                                                  split=self._splits - splits_before,
                                                  split_reason=self._split_reason))
@@ -441,6 +446,8 @@ class Transform:
                 sizer: _AutoSize | None = None) -> tuple[list[Any], int]:
         """Decode a batch's outcome, as ``_run``'s result; split and re-run it if it exceeded
         a limit (and then tell ``sizer``, which sizes the map's batches, if any)."""
+        with self._lock:
+            self._settled_fuel += outcome.fuel_used
         problem = outcome.limit_exceeded is not None or outcome.reply is None
         reason = outcome.limit_exceeded.value if outcome.limit_exceeded is not None else "reply"
         reply = None
