@@ -49,12 +49,26 @@ def sandbox(tree: dict[str, Path], limits: wasibox.Limits | None = None,
         wasibox.Mount(tree["out"], "/out", writable=True, **out_options)])
 
 
-def call(sb: wasibox.Sandbox, code: str) -> Any:
-    """Run ``code`` defining ``main()`` and return its value (failing on any guest error).
+#: What every ``call`` program starts with: errno's names (guest errors are compared by name:
+#: the guest's errno numbers are WASI's, not the host's), and ``attempt(action)``, the name of
+#: the error ``action()`` raised, or "ok".
+GUEST_PRELUDE = """\
+from errno import errorcode
+def attempt(action):
+    try:
+        action()
+        return "ok"
+    except OSError as exc:
+        return errorcode[exc.errno]
+    except NotImplementedError:
+        return "NotImplementedError"
+"""
 
-    Guest errors are compared by name: the guest's errno numbers are WASI's, not the host's.
-    """
-    r = sb.run("from errno import errorcode\n" + textwrap.dedent(code), entry="main")
+
+def call(sb: wasibox.Sandbox, code: str) -> Any:
+    """Run ``code`` defining ``main()`` (after ``GUEST_PRELUDE``) and return its value,
+    failing on any guest error."""
+    r = sb.run(GUEST_PRELUDE + textwrap.dedent(code), entry="main")
     assert r.ok, (r.error, r.stderr, r.limit_exceeded)
     return r.value
 

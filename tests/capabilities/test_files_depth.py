@@ -76,12 +76,6 @@ def test_one_level_past_the_cap_is_enametoolong(tree: dict[str, Path]) -> None: 
         fds = open_fds()
         value = call(sb, f"""
             import os
-            def attempt(action):
-                try:
-                    action()
-                    return "ok"
-                except OSError as exc:
-                    return errorcode[exc.errno]
             def main():
                 made, files = {{}}, {{}}
                 for depth in {list(depths)}:
