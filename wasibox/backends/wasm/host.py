@@ -138,10 +138,12 @@ def _file_op(method: str, tagged: bool) -> Any:
         return ["ok", value.encode() if isinstance(value, StatInfo) else value]
 
     kind = f"files.{method}"
+    # Decided once, not per call: only utime's arguments depend on the run (its clock).
+    adapt = _utime_args if method == "utime" else None
 
     def op(run: Run, context: Any, *args: Any) -> Any:
-        if method == "utime":
-            args = _utime_args(run, context, *args)
+        if adapt is not None:
+            args = adapt(run, context, *args)
         tag, value = (answer(run, args) if run.job.tape is None
                       else taped(run, kind, args, lambda: answer(run, args)))
         return cm.Variant(tag, value) if tagged else value
