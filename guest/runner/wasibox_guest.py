@@ -311,16 +311,16 @@ def _program(code, compiled, filename):
     """The program's code object: loaded from ``compiled`` if the host sent it, else compiled.
 
     Then the host is told, before any of the program runs, so that it meters the program and
-    not its compilation. The collector runs first, so that the program starts with no
-    garbage of the runner's (compiling makes far more than loading).
+    not its compilation. After compiling, the collector runs first, so that the program
+    starts with none of the garbage compiling made.
     """
     if compiled is None:
         program = compile(code, filename, "exec", dont_inherit=True)
         gc.collect()
     else:
         # Loading makes no garbage, and the priming job collected its own before it
-        # returned (see ``_execute``): a young collection here found nothing and cost
-        # ~7K fuel (a generation-1 one, ~11K).
+        # returned (see ``_execute``): a young collection here would find nothing and
+        # cost ~7K fuel (the generation-1 one it replaces cost ~11K).
         program = marshal.loads(compiled)
     _start()
     return program
