@@ -7,10 +7,11 @@ list comprehension) and for ``Transform.map`` at several batch sizes, the ratio 
 (target: 8 or less at the default settings), the fuel burnt, and where the wasibox time goes
 (host-side encode and decode, measured separately on the same records; the guest's fuel per
 record in each phase of a batch). ``--kind numbers`` runs the earlier records of numbers
-only (``{"id", "price", "qty"} -> {"id", "total"}``) instead. Medians over ``--repeat`` rounds, all measured in this one process, in wall time
-and in CPU time (the process's, all threads; host CPython's thread), which other load on the
-machine disturbs less; each round runs host CPython and then the batch size, and a ratio is
-the median of the rounds' own ratios. Nothing is asserted.
+only (``{"id", "price", "qty"} -> {"id", "total"}``) instead. Medians over ``--repeat``
+rounds, all measured in this one process, in wall time and in CPU time (the process's, all
+threads; host CPython's thread), which other load on the machine disturbs less; each round
+runs host CPython and then the batch size, and a ratio is the median of the rounds' own
+ratios. Nothing is asserted.
 
     python bench/transform.py [--records 100000] [--repeat 3] [--kind mixed|numbers]
                               [--batch-sizes 1000,10000,100000,auto]
@@ -118,7 +119,8 @@ def main() -> None:
         return [host_function(r) for r in data]
 
     expected = host()
-    print(f"transform throughput, {args.records:,} records ({args.kind}), guest {wasibox.guest_digest()[:12]}")
+    print(f"transform throughput, {args.records:,} records ({args.kind}), "
+          f"guest {wasibox.guest_digest()[:12]}")
 
     results = {}
     host_walls: list[float] = []
