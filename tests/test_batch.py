@@ -56,6 +56,30 @@ def test_forged_marshalled_columns_are_protocol_errors(kind: str, tail: str) -> 
         decode_batch_reply(text, 2, LIMIT, ELEMENTS)
 
 
+def test_str_columns_split_their_text() -> None:
+    names = ["ana", "", "Zoë 🎉", "x" * 300]
+    joined = "\x00".join(names)
+    text = reply({"columns": [{"s": len(joined)}, "i"], "keys": ["name", "n"]},
+                 4, tail=joined + marshalled([1, 2, 3, 4]))
+    assert decode_batch_reply(text, 4, LIMIT, ELEMENTS).values == [
+        {"name": name, "n": n} for name, n in zip(names, [1, 2, 3, 4], strict=True)]
+
+
+@pytest.mark.parametrize("column, count, tail", [
+    ({"s": 3}, 2, "abc"),              # one str where two belong
+    ({"s": 5}, 2, "a\x00b\x00c"),       # three
+    ({"s": 2}, 2, "a\x00b"),            # a length that is not the text's
+    ({"s": -1}, 1, ""),
+    ({"s": 1.5}, 1, "a"),
+    ({"s": 1, "t": 1}, 1, "a"),
+    ({"s": True}, 1, "a"),
+])
+def test_forged_str_columns_are_protocol_errors(column: object, count: int, tail: str) -> None:
+    text = reply({"columns": [column], "keys": ["n"]}, count, tail=tail)
+    with pytest.raises(ProtocolError):
+        decode_batch_reply(text, count, LIMIT, ELEMENTS)
+
+
 def test_keys_are_data_never_code() -> None:
     key = "a}: __import__('os').system('false'), {'b"
     text = reply({"columns": [[1]], "keys": [key]}, 1)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import wasibox
 from wasibox._batch import encode_records
+from wasibox._result import clean_text
 
 from .conftest import PYTHON, child_env, run_path_backend
 
@@ -515,3 +516,19 @@ def test_workers_are_checked_and_kept_in_the_spec() -> None:
     clone = pickle.loads(pickle.dumps(t))
     assert clone.spec.workers == 2 and clone.spec == t.spec
     assert wasibox.TransformSpec.from_dict(t.spec.to_dict()).workers == 2
+
+
+def test_str_outputs_cross_exactly_whatever_their_text() -> None:
+    # Columns of strs cross as one text joined by NULs; a str holding a NUL, or a lone
+    # surrogate (which UTF-8 cannot carry, and so comes back as U+FFFD, as a single run's
+    # values do), sends its column by the other paths instead.
+    texts = ["plain", "", "Zoë 🎉", "a\x00b", "\ud800", "x" * 500]
+    code = "def transform(r):\n    return {'t': r['t'], 'n': r['n'], 'u': r['t'].upper()}\n"
+    with wasibox.Transform(code) as t:
+        for chosen in ([0, 1, 2, 5], [0, 3], [2, 4], [4]):
+            records = [{"t": texts[i], "n": i} for i in chosen * 3]
+            want = [{"t": clean_text(texts[i]), "n": i, "u": clean_text(texts[i].upper())}
+                    for i in chosen * 3]
+            got = t.map(records, batch_size=len(records), progress=False)
+            assert got == want
+            assert [list(map(type, row.values())) for row in got] == [[str, int, str]] * len(got)

@@ -331,6 +331,11 @@ def _blob_size(column: Any, rows: int) -> int:
     """How many tail characters a column takes (0 for a JSON list)."""
     if isinstance(column, list):
         return 0
+    if isinstance(column, dict):
+        size = column.get("s")
+        if len(column) != 1 or type(size) is not int or size < 0:
+            raise ProtocolError("the guest's batch reply has a malformed column")
+        return size
     if column not in _BLOBS:
         raise ProtocolError("the guest's batch reply has a malformed column")
     size, _, code = _BLOBS[column]
@@ -342,6 +347,13 @@ def _column(column: Any, rows: int, blob: str) -> list[Any]:
         if len(column) != rows or not set(map(type, column)) <= _SCALARS:
             raise ProtocolError("the guest's batch reply has a malformed column")
         return column
+    if isinstance(column, dict):
+        # strs joined by NULs: any text splits into strs, and the reply's text came in as
+        # strict UTF-8, so it holds no lone surrogate.
+        texts = blob.split("\x00") if rows else []
+        if len(texts) != rows or (not rows and blob):
+            raise ProtocolError("the guest's batch reply has a malformed str column")
+        return texts
     size, typecode, code = _BLOBS[column]
     try:
         data = blob.encode("latin-1")

@@ -67,11 +67,13 @@ The batch reply is JSON, written by the runner's ``_execute_batch`` and checked 
              | None}
 
 The JSON is followed by a NUL and the raw bytes of the numeric columns, one character per
-byte (JSON never contains a raw NUL; escaping or base64 cost more fuel than packing). A
+byte, and the text of the str columns (JSON never contains a raw NUL; escaping or base64
+cost more fuel than packing). A
 column is ``"i"`` or ``"g"``, the guest's ``marshal.dumps(column, 2)`` of a list of int32s or
 of floats (``5 + 5 * rows`` or ``5 + 9 * rows`` bytes: ``[``, the count, then each item's
-type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), or a JSON list of
-scalars; the bytes come next in the tail, in column order, and columns hold the records that
+type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), ``{"s": length}``
+(strs without a NUL, joined by NULs: ``length`` characters, which the host splits), or a JSON
+list of scalars; the bytes come next in the tail, in column order, and columns hold the records that
 did not fail, in order. The host never unmarshals them: it checks the header and every type
 code at its fixed place, then reads the values between the codes as an array. Before
 parsing, the host checks the JSON nests no deeper than ``MAX_DEPTH`` plus the reply's own
