@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import marshal
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wasibox._batch import decode_batch_reply, encode_records
 from wasibox._wire import ProtocolError
@@ -143,6 +146,34 @@ def test_dicts_with_the_same_keys_go_keyed_and_load_exactly() -> None:
     assert [[type(v) for v in r.values()] for r in loaded] == \
         [[type(v) for v in r.values()] for r in records]
     assert all(list(r) == list(keys) for r in loaded)
+
+
+#: Values by kind of column: fixed-size marshal (int32s, floats, singletons) or not.
+_KINDS = {
+    "int32": st.integers(-(2**31), 2**31 - 1),
+    "float": st.floats(allow_nan=False),
+    "single": st.sampled_from([None, True, False]),
+    "big": st.integers(2**31, 2**70),
+    "str": st.text(max_size=8),
+    "list": st.lists(st.one_of(st.integers(), st.text(max_size=3)), max_size=3),
+    "mixed": st.one_of(st.none(), st.integers(), st.binary(max_size=4), st.tuples(st.booleans())),
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1, max_size=7),
+       count=st.integers(1, 12))
+def test_keyed_records_of_any_column_kinds_load_exactly(data: st.DataObject, kinds: list[str],
+                                                        count: int) -> None:
+    keys = [f"k{i}" for i in range(len(kinds))]
+    records = [{key: data.draw(_KINDS[kind]) for key, kind in zip(keys, kinds, strict=True)}
+               for _ in range(count)]
+    payload = encode_records(records)
+    assert payload == encode_records(copy.deepcopy(records))
+    loaded_keys, loaded = marshal.loads(payload)
+    assert loaded_keys == tuple(keys) and loaded == records
+    assert [[type(v) for v in r.values()] for r in loaded] == \
+        [[type(v) for v in r.values()] for r in records]
 
 
 @pytest.mark.parametrize("records", [

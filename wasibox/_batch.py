@@ -64,6 +64,8 @@ _LIST, _TUPLE, _DICT, _NULL, _REF, _INTERNED = b"[", b"(", b"{", b"0", b"r", b"t
 _FLAG_REF = 0x80
 _INT32, _FLOAT = b"i", b"g"
 _COUNT = struct.Struct("<i")
+#: The types whose every value may marshal to the same size as the others of its column.
+_FIXED_SIZE_TYPES = frozenset({int, float, bool, type(None)})
 
 
 def _keyed(records: list[Any]) -> bytes | None:
@@ -107,6 +109,8 @@ def _keyed(records: list[Any]) -> bytes | None:
 
 def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:
     """A column's values as marshal: one bytes of equal-size encodings, or one bytes each."""
+    if not set(map(type, column)) <= _FIXED_SIZE_TYPES:  # strs, lists, ...: one each
+        return list(map(marshal.dumps, column, itertools.repeat(2)))
     data = marshal.dumps(column, 2)[5:]  # without the list's own type code and length
     size, rest = divmod(len(data), count)
     if rest == 0 and (size == 1 or (size == 5 and data[::5] == _INT32 * count)
@@ -139,17 +143,44 @@ def _fixed_rows(columns: list[bytes], count: int) -> bytearray:
 
 
 def _variable_rows(columns: list[bytes | list[bytes]], count: int) -> bytes:
-    """Records with a column of varying sizes: interleave one bytes per value, then join."""
-    stride = 2 + 2 * len(columns)
-    pieces: list[bytes] = [b""] * (stride * count)
-    pieces[0::stride] = [_DICT] * count
-    pieces[stride - 1::stride] = [_NULL] * count
+    """Records with a column of varying sizes: one bytes per value of those columns, one
+    per stretch of a record between them, interleaved and joined.
+
+    The stretches (the dict's opening and end, the keys' references, the values of fixed
+    size) are laid out for every record at once as ``_fixed_rows`` does, then cut into one
+    bytes each by a single ``struct`` unpack: slicing them one by one in Python cost more
+    than the rest of the encoding (~9 ms per 100,000 slices, 2.8 ms unpacked).
+    """
+    varying = [column for column in columns if isinstance(column, list)]
+    template = bytearray(_DICT)
+    copies = []  # (offset in a record's stretches, column, size, first byte to copy)
+    widths = []  # each stretch's width
+    start = 0
     for index, column in enumerate(columns):
-        pieces[1 + 2 * index::stride] = [_REF + _COUNT.pack(index)] * count
-        if isinstance(column, bytes):
-            size = len(column) // count
-            column = [column[start:start + size] for start in range(0, len(column), size)]
-        pieces[2 + 2 * index::stride] = column
+        template += _REF + _COUNT.pack(index)
+        if isinstance(column, list):
+            widths.append(len(template) - start)
+            start = len(template)
+            continue
+        size = len(column) // count
+        tagged = size > 1
+        copies.append((len(template), column, size, 1 if tagged else 0))
+        template += column[:1] + bytes(size - 1) if tagged else b"\x00"
+    template += _NULL
+    widths.append(len(template) - start)
+    width = len(template)
+    rows = template * count
+    for offset, column, size, first in copies:
+        for position in range(first, size):
+            rows[offset + position::width] = column[position::size]
+    # A Struct of its own: struct.unpack would cache this one-off format, and its codes.
+    stretches = struct.Struct("".join(f"{size}s" for size in widths) * count).unpack(rows)
+    stride = 2 * len(varying) + 1
+    pieces: list[bytes] = [b""] * (stride * count)
+    for place in range(len(widths)):
+        pieces[2 * place::stride] = stretches[place::len(widths)]
+    for place, values in enumerate(varying):
+        pieces[1 + 2 * place::stride] = values
     return b"".join(pieces)
 
 
