@@ -58,7 +58,7 @@ def measure(payload, upto):
         loaded = marshal.loads(payload)
         gc.enable()
         gc.freeze()
-        records = loaded[1] if type(loaded) is tuple else loaded
+        records = loaded[-1] if type(loaded) is tuple else loaded
         held.append(records)
     if upto >= 2:
         gc.set_threshold(50_000 + 2 * len(records), *gc.get_threshold()[1:])

@@ -140,7 +140,7 @@ def test_dicts_with_the_same_keys_go_keyed_and_load_exactly() -> None:
     records = [{"id": i, "name": f"n{i}" * (i % 3), "price": i / 4, "tags": [i, (i,)],
                 "flag": i % 2 == 0, "none": None, "big": 2**40 + i, "raw": b"\x00"}
                for i in range(50)]
-    keys, loaded = marshal.loads(encode_records(records))
+    keys, loaded = marshal.loads(encode_records(records))  # no str repeats: nothing shared
     assert keys == tuple(records[0])
     assert loaded == records
     assert [[type(v) for v in r.values()] for r in loaded] == \
@@ -170,10 +170,23 @@ def test_keyed_records_of_any_column_kinds_load_exactly(data: st.DataObject, kin
                for _ in range(count)]
     payload = encode_records(records)
     assert payload == encode_records(copy.deepcopy(records))
-    loaded_keys, loaded = marshal.loads(payload)
+    loaded_keys, *_, loaded = marshal.loads(payload)
     assert loaded_keys == tuple(keys) and loaded == records
     assert [[type(v) for v in r.values()] for r in loaded] == \
         [[type(v) for v in r.values()] for r in records]
+
+
+def test_repeating_strs_are_written_once_and_shared() -> None:
+    cities = ["Lisbon", "Zoë", "Lisbon", "\ud800", "Lisbon", "Zoë"]
+    records = [{"id": i, "city": city, "name": f"n{i}", "again": city[::-1]}
+               for i, city in enumerate(cities)]
+    keys, shared, loaded = marshal.loads(encode_records(records))
+    # "name" never repeats; "city" and "again" do, and share the one table.
+    assert keys == ("id", "city", "name", "again")
+    assert shared == ("Lisbon", "Zoë", "\ud800", "nobsiL", "ëoZ")
+    assert loaded == records
+    assert loaded[0]["city"] is loaded[2]["city"] is shared[0]
+    assert encode_records(records) == encode_records(copy.deepcopy(records))
 
 
 @pytest.mark.parametrize("records", [

@@ -372,7 +372,7 @@ def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None
 
 def test_auto_batches_keep_to_a_share_of_the_memory_limit(small_auto_batches: None) -> None:
     memory = 64 * 2**20
-    records = [{"id": i, "text": "x" * 2000} for i in range(1500)]
+    records = [{"id": i, "text": f"{i:04}" + "x" * 1996} for i in range(1500)]  # none repeat
     seen: list[wasibox.TransformProgress] = []
     with wasibox.Transform("def transform(r):\n    return len(r['text'])\n",
                            limits=wasibox.Limits(memory_bytes=memory)) as t:

@@ -52,9 +52,12 @@ fuel per character to decode). Records are plain data; tuples are kept. Either
 ``marshal(list of records, 2)``, or, when every record is a dict with the same str keys in
 the same order, the *keyed* form: the marshal bytes of a tuple ``(keys, records)`` in which
 each key is written once, interned and flagged as a back-reference, and every record refers
-to it (``r`` and the key's index) before its version-2 value. The host writes these bytes
-itself (``wasibox/_batch.py``), from the keys' text and the values alone, so they too are
-the same for equal records.
+to it (``r`` and the key's index) before its version-2 value. When a column's strs repeat
+(each distinct one used twice or more on average), the tuple is ``(keys, shared, records)``:
+``shared`` holds each distinct str of those columns once, flagged, in order of first use,
+and the records refer to them as to the keys. The host writes these bytes itself
+(``wasibox/_batch.py``), from the keys' text and the values alone, so they too are the same
+for equal records.
 
 The batch reply is JSON, written by the runner's ``_execute_batch`` and checked on the host by
 ``wasibox/_batch.py`` (the host never unmarshals guest bytes)::

@@ -88,8 +88,8 @@ def execute_batch(job, records, streams, load):
             if collecting:
                 gc.enable()
         gc.freeze()
-        if type(loaded) is tuple:  # keyed: (keys, records), each key in every record shared
-            loaded = loaded[1]
+        if type(loaded) is tuple:  # keyed: (keys, [shared strs,] records), referred to
+            loaded = loaded[-1]
         HELD.append(loaded)
         records = iter(loaded)
         # A star batch's records are tuples of positional arguments: starmap spreads them in
