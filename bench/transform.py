@@ -11,10 +11,12 @@ only (``{"id", "price", "qty"} -> {"id", "total"}``) instead. Medians over ``--r
 rounds, all measured in this one process, in wall time and in CPU time (the process's, all
 threads; host CPython's thread), which other load on the machine disturbs less; each round
 runs host CPython and then the batch size, and a ratio is the median of the rounds' own
-ratios. Nothing is asserted.
+ratios. Rounds run back to back; ``--pace 2`` sleeps that many seconds before each
+measurement instead, as a map that comes now and then would run (the warm pool refilled,
+the worker threads gone). Nothing is asserted.
 
     python bench/transform.py [--records 100000] [--repeat 3] [--kind mixed|numbers]
-                              [--batch-sizes 1000,10000,100000,auto]
+                              [--batch-sizes 1000,10000,100000,auto] [--pace 0]
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="seconds to sleep before each measurement (default 0: back to back)")
     parser.add_argument("--batch-sizes", default="1000,10000,100000,auto",
                         help="comma-separated record counts, or 'auto' (the default size)")
     parser.add_argument("--kind", choices=["mixed", "numbers"], default="mixed",
@@ -119,7 +123,8 @@ def main() -> None:
         return [host_function(r) for r in data]
 
     expected = host()
-    print(f"transform throughput, {args.records:,} records ({args.kind}), "
+    paced = f", paced {args.pace:g} s" if args.pace else ", back to back"
+    print(f"transform throughput, {args.records:,} records ({args.kind}{paced}), "
           f"guest {wasibox.guest_digest()[:12]}")
 
     results = {}
@@ -137,8 +142,10 @@ def main() -> None:
                 # one round's pair: a change in the machine's load moves both sides alike.
                 # Each side's outputs are dropped before the other runs, so that both build
                 # theirs in the memory the last round freed (or neither does).
+                time.sleep(args.pace)
                 host_wall, host_cpu, _ = timed(host, time.thread_time)
                 _ = None
+                time.sleep(args.pace)
                 elapsed, cpu, out = timed(
                     lambda s=size: t.map(data, batch_size=s, progress=False),
                     time.process_time)

@@ -189,6 +189,21 @@ def test_repeating_strs_are_written_once_and_shared() -> None:
     assert encode_records(records) == encode_records(copy.deepcopy(records))
 
 
+def test_repeating_lists_of_strs_share_their_strs_but_not_the_lists() -> None:
+    tags = [["new"], ["vip", "new"], ["new"], [], ["vip", "new"], []]
+    records = [{"tags": list(t), "n": i} for i, t in enumerate(tags)]
+    keys, shared, loaded = marshal.loads(encode_records(records))
+    assert shared == ("new", "vip") and loaded == records
+    assert loaded[0]["tags"] is not loaded[2]["tags"]  # each record may change its own
+    assert loaded[0]["tags"][0] is loaded[1]["tags"][1]
+    # Lists that hold something else, or that do not repeat, go value by value.
+    for other in ([["a", 1], ["a", 1]], [["a", b"b"], ["a", b"b"]], [["a"], ["b"]],
+                  [[["a"]], [["a"]]]):
+        mixed = [{"tags": value} for value in other]
+        assert marshal.loads(encode_records(mixed))[-1] == mixed
+        assert len(marshal.loads(encode_records(mixed))) == 2
+
+
 @pytest.mark.parametrize("records", [
     [{"a": 1, "b": 2}, {"b": 1, "a": 2}],    # same keys, another order
     [{"a": 1}, {"a": 1, "b": 2}],             # a key more
