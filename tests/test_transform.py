@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 import pickle
 import subprocess
 import textwrap
@@ -532,3 +533,37 @@ def test_str_outputs_cross_exactly_whatever_their_text() -> None:
             got = t.map(records, batch_size=len(records), progress=False)
             assert got == want
             assert [list(map(type, row.values())) for row in got] == [[str, int, str]] * len(got)
+
+
+def test_host_functions_and_writable_mounts_run_one_batch_at_a_time(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wasibox._transform, "default_workers", lambda: 3)
+    calls: list[int] = []
+
+    def seen(record: int) -> int:
+        calls.append(record)
+        return record
+
+    code = "import host\ndef transform(r):\n    return host.seen(r)\n"
+    cases: list[tuple[str, dict[str, object], int]] = [
+        ("def transform(r):\n    return r\n", {}, 3),
+        (code, {"functions": {"seen": seen}}, 1),
+        ("def transform(r):\n    return r\n",
+         {"mounts": [wasibox.Mount(tmp_path, "/out", writable=True)]}, 1),
+        ("def transform(r):\n    return r\n",
+         {"mounts": [wasibox.Mount(tmp_path, "/in")]}, 3),
+    ]
+    for source, options, workers in cases:
+        pulled: list[int] = []
+
+        def records(pulled: list[int] = pulled):  # type: ignore[no-untyped-def]
+            for i in range(60):
+                pulled.append(i)
+                yield i
+
+        with wasibox.Transform(source, **options) as t:  # type: ignore[arg-type]
+            stream = t.imap(records(), batch_size=10, progress=False)
+            assert next(stream) == 0
+            assert len(pulled) == 10 * (1 + workers), options
+            assert list(stream) == list(range(1, 60))
+    assert calls == list(range(60))  # in order: one batch at a time

@@ -26,8 +26,9 @@ How a map runs:
   without the GIL), while the calling thread encodes the next batch and decodes the one
   before, in order: at most ``workers + 1`` batches are in memory, and a batch may run before
   an earlier record's failure is raised. ``workers=None`` (the default) is one per CPU this
-  process may use, at most ``MAX_WORKERS``. Outputs, fuel, batch sizes and progress do not
-  depend on it.
+  process may use, at most ``MAX_WORKERS``, and 1 with host functions or a writable mount,
+  or on another backend than wasm. Outputs, fuel, batch sizes and progress do not depend
+  on it.
 * **Determinism.** The same code, records, seed and batch size give the same outputs and the
   same fuel in every process with the same guest digest (an automatic size included: it
   follows only from the fuel and bytes of earlier batches, unless a batch was split for a
@@ -209,9 +210,11 @@ class Transform:
 
     ``workers`` is how many batches run at once, each in its own instance on its own
     thread: None (the default) is one per CPU this process may use, at most
-    ``MAX_WORKERS`` (4); 1 runs them one after another. Outputs, fuel and batch sizes are the
-    same whatever it is; ``wasibox.dask`` runs each partition with one, as dask spreads the
-    partitions over its own workers.
+    ``MAX_WORKERS`` (4), or 1 when the transform has host functions or a writable mount
+    (which several batches at once would call or publish in an order that depends on
+    timing) or another backend than wasm; 1 runs them one after another. Outputs, fuel and
+    batch sizes are the same whatever it is; ``wasibox.dask`` runs each partition with one,
+    as dask spreads the partitions over its own workers.
 
     Raises UsageError for a bad entry name, policy, batch size, workers or sandbox option.
     """
@@ -338,7 +341,7 @@ class Transform:
         _check_batch_size(size)
         _check_on_error(policy)
         _check_workers(workers)
-        threads = workers or self.spec.workers or default_workers()
+        threads = workers or self.spec.workers or self._default_workers()
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise UsageError(f"start must be a non-negative int, not {start!r}")
         if total is None and isinstance(records, Sequence):
@@ -457,6 +460,17 @@ class Transform:
             finally:
                 for *_, future in ahead:
                     future.cancel()
+
+    def _default_workers(self) -> int:
+        """``workers=None``: one batch per CPU (``default_workers``) on the wasm backend for
+        a function that only computes. With host functions or a writable mount, one: they
+        would otherwise be called, or published, from several batches at once and in an
+        order that depends on timing; and another backend may not run batches at once."""
+        policy = self._sandbox.policy
+        if (self._sandbox._backend.name != "wasm" or policy.functions
+                or any(mount.writable for mount in policy.mounts)):
+            return 1
+        return default_workers()
 
     def _run(self, batch: list[Any], index: int) -> tuple[list[Any], int]:
         """Outputs (or FailedRecord) for ``batch``, whose first record has index ``index``,
