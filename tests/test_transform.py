@@ -371,6 +371,19 @@ def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None
     assert max(sizes) > 40
 
 
+def test_a_fuel_limit_from_the_timeout_sizes_auto_batches_at_a_typical_rate() -> None:
+    # FUEL_PER_SECOND sits above the fastest C loops, so that a timeout stops a run before its
+    # fuel does; sizing batches by it would make them take several times the share of the
+    # timeout that typical code needs. A derived limit counts as AUTO_FUEL_PER_SECOND does.
+    from wasibox._transform import AUTO_FUEL_PER_SECOND, AUTO_FUEL_SHARE, _AutoSize
+    derived = _AutoSize(wasibox.Limits(timeout_s=2))
+    given = _AutoSize(wasibox.Limits(timeout_s=2, fuel=2 * AUTO_FUEL_PER_SECOND))
+    for sizer in (derived, given):
+        sizer.settled(10_000, 1_000, 10_000 * 10**6)  # a million fuel a record
+    assert derived.size == given.size == 2 * AUTO_FUEL_PER_SECOND // (AUTO_FUEL_SHARE * 10**6)
+    assert wasibox.Limits(timeout_s=2).fuel > 2 * AUTO_FUEL_PER_SECOND
+
+
 def test_auto_batches_keep_to_a_share_of_the_memory_limit(small_auto_batches: None) -> None:
     memory = 64 * 2**20
     records = [{"id": i, "text": f"{i:04}" + "x" * 1996} for i in range(1500)]  # none repeat

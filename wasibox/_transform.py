@@ -14,7 +14,8 @@ How a map runs:
 * **Batch sizes.** ``batch_size="auto"`` (the default) starts with batches of
   ``FIRST_AUTO_BATCH`` records and then sizes each batch from the ones already settled: up
   to ``AUTO_GROWTH`` times larger, as long as a batch is expected to use at most
-  ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far) and to send
+  ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far; a limit
+  derived from the timeout counts at ``AUTO_FUEL_PER_SECOND``) and to send
   at most ``1/AUTO_MEMORY_SHARE`` of the memory limit (by the bytes per record), and never
   more than ``MAX_AUTO_BATCH``; after a batch had to be split, the batches that follow are
   half its size and stop growing. The sizes follow only from fuel and bytes, which are
@@ -46,6 +47,7 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import math
 import os
 import sys
 import threading
@@ -89,9 +91,13 @@ FIRST_AUTO_BATCH = 10_000
 AUTO_GROWTH = 4
 MAX_AUTO_BATCH = 100_000
 #: An automatic batch is expected to use at most this share of the fuel limit (by the fuel
-#: per record of earlier batches), leaving room for records dearer than those seen, and for
-#: a machine slower than ``FUEL_PER_SECOND`` when the fuel limit derives from the timeout.
+#: per record of earlier batches), leaving room for records dearer than those seen...
 AUTO_FUEL_SHARE = 8
+#: ...where a fuel limit derived from the timeout counts at this rate, not at
+#: ``FUEL_PER_SECOND``: that one sits above the fastest C loops (a timeout must stop a run
+#: before its fuel does), while typical interpreted code burns 3-10e9 fuel/s, so an eighth
+#: of the timeout at this rate is about an eighth of it in time, or less.
+AUTO_FUEL_PER_SECOND = 10**10
 #: ...and to send at most this share of the memory limit: the guest holds the records' bytes
 #: several times over (the request, its text, the bytes) beside the objects they decode to,
 #: ~19 times the bytes for records of small numbers.
@@ -590,7 +596,10 @@ class _AutoSize:
     def _grow(self, count: int, sent: int, fuel_used: int) -> None:
         # Per record, with the batch's fixed cost spread over its records: never less than
         # a record costs, so a batch sized from it is if anything smaller than it could be.
-        fuel_room = self._limits.fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
+        fuel = self._limits.fuel
+        if self._limits.fuel_from_timeout:
+            fuel = math.ceil(self._limits.timeout_s * AUTO_FUEL_PER_SECOND)
+        fuel_room = fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
         byte_room = self._limits.memory_bytes * count // (AUTO_MEMORY_SHARE * max(sent, 1))
         self.size = max(1, min(self.size * AUTO_GROWTH, MAX_AUTO_BATCH, fuel_room, byte_room))
 
