@@ -34,8 +34,9 @@ from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
 from ..base import Job
 
-__all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "OutputSlot", "Run",
-           "address_of", "c_output", "call_guest", "current", "output_slots", "taped"]
+__all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "NativeTrap", "OutputSlot",
+           "Run", "address_of", "adopted_run", "c_output", "call_guest", "call_plain",
+           "current", "native_state", "output_slots", "taped"]
 
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
@@ -234,17 +235,13 @@ class NativeRun(Run):
     __slots__ = ("module", "native")
     python_entropy = False  # the seeded generator lives in C: no Python Random to make
 
-    def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType) -> None:
+    def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType,
+                 state: Any = None) -> None:
+        """``state``: the C side, when it was made first (a plain run's); by default, one is
+        made from ``job``."""
         super().__init__(job, store)
-        limits, policy = job.limits, job.policy
         self.module = native
-        # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
-        self.native = native.Run(
-            fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
-            memory_bytes=min(limits.memory_bytes, _U64_MAX),
-            timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
-            real_clock=policy.clock == "real",
-            seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
+        self.native = state if state is not None else native_state(native, job)
 
     def append(self, fd: int, data: bytes) -> bool:
         fits: bool = self.native.append(fd, data)
@@ -267,7 +264,19 @@ class NativeRun(Run):
             self.exit_code = exit_code
 
 
-class _NativeTrap(wasmtime.WasmtimeError):
+def native_state(native: ModuleType, job: Job) -> Any:
+    """A new C-side run state (``native.Run``) for ``job``'s limits and policy."""
+    limits, policy = job.limits, job.policy
+    # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
+    return native.Run(
+        fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
+        memory_bytes=min(limits.memory_bytes, _U64_MAX),
+        timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
+        real_clock=policy.clock == "real",
+        seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
+
+
+class NativeTrap(wasmtime.WasmtimeError):
     """A trap of the native path, shaped as wasmtime-py raises one (``code``: WASI exit)."""
 
     def __init__(self, message: str, code: int | None) -> None:
@@ -371,7 +380,8 @@ class OutputSlot:
     __slots__ = ("run", "__weakref__")
 
     def __init__(self) -> None:
-        self.run: Run | None = None
+        #: A ``Run``, or a plain run's ``native.Run``: either keeps output under the cap.
+        self.run: Run | Any = None
 
 
 #: Each store's output slot, set by ``call_guest`` for the duration of a call.
@@ -389,6 +399,41 @@ def c_output(fd: int, slot: OutputSlot) -> Any:
         return len(data)
 
     return sink
+
+
+def adopted_run() -> Run | None:
+    """The Python side of a plain run whose guest call this thread is making, made now (see
+    ``call_plain``), or None outside a plain run."""
+    adopt: Callable[[], Run] | None = getattr(current, "adopt", None)
+    if adopt is None:
+        return None
+    run = current.run = adopt()
+    return run
+
+
+def call_plain(native: ModuleType, execute: Any, store: wasmtime.Store, request: bytes,
+               state: Any, adopt: Callable[[], Run]) -> tuple[tuple[Any, ...], Run | None]:
+    """Call the guest's ``execute`` on this thread on the native path, for a plain run.
+
+    ``state`` (a ``native.Run``) is the run's host state, and the store's memory cap, fuel
+    and epoch deadline are set from it in the C call. No Python ``Run`` is made unless a
+    host function written in Python (files, host functions, HTTP) is called, which then
+    makes it with ``adopt``. Returns what ``native.call`` returned, and that Run, if made.
+    """
+    slot = output_slots.get(store)
+    if slot is not None:
+        slot.run = state  # the C state keeps the guest's C-level output under the cap too
+    current.adopt = adopt
+    try:
+        answer: tuple[Any, ...] = native.call(
+            ctypes.addressof(execute._func), address_of(store._context()), request, state,
+            address_of(store.ptr()))
+    finally:
+        run: Run | None = getattr(current, "run", None)
+        current.run = current.adopt = None
+        if slot is not None:
+            slot.run = None
+    return answer, run
 
 
 def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str | None:
@@ -411,7 +456,7 @@ def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str |
             finally:
                 run.collect()
             if message is not None:
-                raise _NativeTrap(message, status)
+                raise NativeTrap(message, status)
             return str(reply)
         python_reply: str | None = execute(run.store, request)
         return python_reply

@@ -671,6 +671,8 @@ static wasmtime_error_t *on_epoch_deadline(wasmtime_context_t *context, void *da
 
 /* ---- the Run type ------------------------------------------------------------------------ */
 
+static PyTypeObject RunType;
+
 static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"fuel", "output_bytes", "memory_bytes", "timeout_ns", "real_clock",
                             "seed_words", NULL};
@@ -721,6 +723,30 @@ static void Run_dealloc(Run *run) {
     Py_TYPE(run)->tp_free((PyObject *)run);
 }
 
+/* fresh() -> Run: a new Run with this one's limits, clock and generator state, copied
+ * rather than parsed and seeded again. Meant for a template that never runs (a plain run's,
+ * made once per Sandbox: see backend.py), whose state is still the one it was made with. */
+static PyObject *Run_fresh(Run *template, PyObject *unused) {
+    Run *run = (Run *)RunType.tp_alloc(&RunType, 0);
+    if (run == NULL) return NULL;
+    run->fuel_limit = template->fuel_limit;
+    run->output_room = template->output_room;
+    run->memory_bytes = template->memory_bytes;
+    run->timeout_ns = template->timeout_ns;
+    run->real_clock = template->real_clock;
+    run->exit_code = -1;
+    pthread_mutex_init(&run->output_lock, NULL);
+    run->deadline_ns = UINT64_MAX;
+    run->fuel_left = template->fuel_limit;
+    atomic_init(&run->cancelled, 0);
+    if (template->seeded) {
+        memcpy(run->mt, template->mt, sizeof run->mt);
+        run->mti = template->mti;
+        run->seeded = true;
+    }
+    return (PyObject *)run;
+}
+
 static PyObject *Run_interrupt(Run *run, PyObject *unused) {
     atomic_store(&run->cancelled, 1);
     Py_RETURN_NONE;
@@ -763,6 +789,8 @@ static PyObject *Run_outcome(Run *run, PyObject *unused) {
 }
 
 static PyMethodDef Run_methods[] = {
+    {"fresh", (PyCFunction)Run_fresh, METH_NOARGS,
+     "fresh() -> Run: a new run with this never-run template's limits and state."},
     {"interrupt", (PyCFunction)Run_interrupt, METH_NOARGS,
      "Cancel the run from any thread; the guest traps within a tick."},
     {"append", (PyCFunction)Run_append, METH_VARARGS,
