@@ -21,6 +21,7 @@ from wasibox import Busy, Limit, Limits, RunState, Sandbox
 from wasibox.backends.base import Job, Outcome, RunControl
 from wasibox.backends.fake import FakeBackend
 from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.run import GuestStore
 from wasibox.backends.wasm.runtime import WasmRuntime, runtime
 from wasibox.capabilities.files.mount import STAGING_DIR
 
@@ -189,7 +190,7 @@ class GatedRuntime(WasmRuntime):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def take(self) -> tuple[wasmtime.Store, Any]:
+    def take(self) -> tuple[GuestStore, Any]:
         self.entered.set()
         self.gate.wait()
         return super().take()

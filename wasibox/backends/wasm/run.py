@@ -17,7 +17,6 @@ import os
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -36,7 +35,7 @@ from ..base import Job
 
 __all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "NativeTrap", "OutputSlot",
            "Run", "address_of", "adopted_run", "c_output", "call_guest", "call_plain",
-           "current", "native_state", "output_slots", "taped"]
+           "current", "GuestStore", "native_state", "taped"]
 
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
@@ -384,9 +383,22 @@ class OutputSlot:
         self.run: Run | Any = None
 
 
-#: Each store's output slot, set by ``call_guest`` for the duration of a call.
-output_slots: weakref.WeakKeyDictionary[wasmtime.Store, OutputSlot] = (
-    weakref.WeakKeyDictionary())
+class GuestStore(wasmtime.Store):
+    """A store of the guest, with what its calls need at hand: its output slot (set by
+    ``call_guest`` and ``call_plain`` for the duration of a call) and, once its instance is
+    made, the addresses the native path calls with. Looking these up per run (a weak
+    dictionary, two ctypes casts) was a measurable share of a paced warm run's host time."""
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        super().__init__(engine)
+        self.output = OutputSlot()
+        #: (its ``execute`` function, its context, the store), as C pointers.
+        self.addresses: tuple[int, int, int] | None = None
+
+    def bind(self, execute: Any) -> None:
+        """Record the addresses of ``execute`` (this store's instance's) and the store."""
+        self.addresses = (ctypes.addressof(execute._func), address_of(self._context()),
+                          address_of(self.ptr()))
 
 
 def c_output(fd: int, slot: OutputSlot) -> Any:
@@ -411,7 +423,7 @@ def adopted_run() -> Run | None:
     return run
 
 
-def call_plain(native: ModuleType, execute: Any, store: wasmtime.Store, request: bytes,
+def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: bytes,
                state: Any, adopt: Callable[[], Run]) -> tuple[tuple[Any, ...], Run | None]:
     """Call the guest's ``execute`` on this thread on the native path, for a plain run.
 
@@ -420,19 +432,17 @@ def call_plain(native: ModuleType, execute: Any, store: wasmtime.Store, request:
     host function written in Python (files, host functions, HTTP) is called, which then
     makes it with ``adopt``. Returns what ``native.call`` returned, and that Run, if made.
     """
-    slot = output_slots.get(store)
-    if slot is not None:
-        slot.run = state  # the C state keeps the guest's C-level output under the cap too
+    slot = store.output
+    slot.run = state  # the C state keeps the guest's C-level output under the cap too
+    func, context, store_address = store.addresses or (
+        ctypes.addressof(execute._func), address_of(store._context()), address_of(store.ptr()))
     current.adopt = adopt
     try:
-        answer: tuple[Any, ...] = native.call(
-            ctypes.addressof(execute._func), address_of(store._context()), request, state,
-            address_of(store.ptr()))
+        answer: tuple[Any, ...] = native.call(func, context, request, state, store_address)
     finally:
         run: Run | None = getattr(current, "run", None)
         current.run = current.adopt = None
-        if slot is not None:
-            slot.run = None
+        slot.run = None
     return answer, run
 
 
@@ -443,7 +453,7 @@ def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str |
     its message (and WASI exit status), raised here as wasmtime-py would raise it.
     """
     current.run = run
-    slot = output_slots.get(run.store)
+    slot: OutputSlot | None = getattr(run.store, "output", None)
     if slot is not None:
         slot.run = run
     try:

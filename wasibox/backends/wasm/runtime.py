@@ -37,7 +37,7 @@ from .engine import (
 from .host import define_host
 from .native import NativeBuild
 from .native import load as load_native
-from .run import NativeRun, OutputSlot, Run, address_of, c_output, call_guest, output_slots
+from .run import GuestStore, NativeRun, Run, address_of, c_output, call_guest
 from .slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from .stack import call_with_stack
 
@@ -102,7 +102,7 @@ class WasmRuntime:
         self.ticker = Ticker(self.engine)
         self._priming_request = _priming_request(self)
         _runtimes.add(self)
-        self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
+        self._pool: collections.deque[tuple[GuestStore, Any]] = collections.deque()
         self._pool_size = pool_size
         self._base_pool_size = pool_size
         self._pool_requests: dict[object, int] = {}
@@ -113,7 +113,7 @@ class WasmRuntime:
         self._closed = False
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
-                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
+                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[GuestStore, Any]:
         """A fresh, primed store and instance of the guest for ``run_path`` (by default this
         runtime's), and its ``execute`` export. ``preopens`` are (host directory, guest
         path) pairs the guest's C code sees, writable (``FileSession.preopens``)."""
@@ -123,17 +123,16 @@ class WasmRuntime:
         return store, execute
 
     def _new_instance(self, native: ModuleType | None,
-                      preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
+                      preopens: Sequence[tuple[str, str]] = ()) -> tuple[GuestStore, Any]:
         """A fresh store and instance (not primed) for the native path if ``native``, else
         for the Python path, with ``preopens`` as ``instantiate``'s; raises GuestBuildError
         if the guest exports no ``execute``."""
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
-        store = wasmtime.Store(self.engine)
+        store = GuestStore(self.engine)
         wasi = wasmtime.WasiConfig()
-        slot = output_slots[store] = OutputSlot()
-        wasi.stdout_custom = c_output(1, slot)
-        wasi.stderr_custom = c_output(2, slot)
+        wasi.stdout_custom = c_output(1, store.output)
+        wasi.stderr_custom = c_output(2, store.output)
         for host, guest in preopens:
             wasi.preopen_dir(host, guest, True)
         store.set_wasi(wasi)
@@ -148,9 +147,10 @@ class WasmRuntime:
                                   "rebuild it with `wasibox prepare`")
         if native is not None:
             native.arm(address_of(store.ptr()))  # the epoch deadline, decided in C
+            store.bind(execute)
         return store, execute
 
-    def take(self) -> tuple[wasmtime.Store, Any]:
+    def take(self) -> tuple[GuestStore, Any]:
         """A pre-made instance if one is ready, else a new one.
 
         Taking a pre-made instance does not start its replacement: the caller calls
@@ -210,11 +210,21 @@ class WasmRuntime:
         self._start_filler()
 
     def _start_filler(self) -> None:
-        if self._pool_size > 0 and (self._filler is None or not self._filler.is_alive()):
+        # ``_filler`` is None once the filler ends, however it ends (see ``_fill``): no
+        # ``is_alive()`` on every run's release.
+        if self._pool_size > 0 and self._filler is None:
             self._filler = threading.Thread(target=self._fill, name="wasibox-pool", daemon=True)
             self._filler.start()
 
     def _fill(self) -> None:
+        try:
+            self._fill_until_idle()
+        finally:
+            with self._pool_cond:
+                if self._filler is threading.current_thread():
+                    self._filler = None  # ended or failed: the next release starts another
+
+    def _fill_until_idle(self) -> None:
         while True:
             with self._pool_cond:
                 if not self._pool_cond.wait_for(
