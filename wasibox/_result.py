@@ -326,7 +326,7 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
         memory_peak = max(memory_peak, outcome.memory_limit_bytes)
     if exit_code is None:
         exit_code = 1 if (limit is not None or error is not None) else 0
-    fields = {
+    fields: dict[str, Any] = {
         "ok": exit_code == 0 and error is None and limit is None,
         "exit_code": exit_code,
         # Decoded with replacement: valid text, with no lone surrogate to clean.
