@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._events import CapabilityEvent
 from ._limits import Limit
-from ._wire import ProtocolError, decode_reply, max_elements
+from ._wire import ProtocolError, Reply, decode_reply, max_elements
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -272,6 +272,10 @@ class Outcome:
     """
 
     reply: str | None = None
+    #: ``reply`` read already, when it is the plain reply of most runs (no error, no value):
+    #: (exit_code, memory_error, heap_top). Set by a backend that reads it in C, in the
+    #: one form ``wasibox/_wire.py``'s ``decode_reply`` reads without its JSON parser.
+    plain_reply: tuple[int, bool, int] | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     stdout_truncated: bool = False
@@ -304,8 +308,10 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
     memory_peak = outcome.memory_peak_bytes
     if outcome.reply is not None and limit is None:
         try:
-            reply = decode_reply(outcome.reply, reply_limit,
-                                 max_elements(outcome.memory_limit_bytes))
+            reply = (decode_reply(outcome.reply, reply_limit,
+                                  max_elements(outcome.memory_limit_bytes))
+                     if outcome.plain_reply is None else Reply(
+                         outcome.plain_reply[0], None, None, *outcome.plain_reply[1:]))
         except ProtocolError as exc:
             error = GuestException(type="ProtocolError", message=str(exc), traceback="")
             exit_code = 1

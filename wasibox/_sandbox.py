@@ -134,7 +134,8 @@ class Sandbox:
                               max_concurrency=max_concurrency, max_queue=max_queue)
         #: The backend's prepared plain runs (see ``_run_plain``), or None.
         self._plain = (self._backend.plain_runs(self.limits, self.policy)
-                       if not self.python_path and not (self._auto and self._requires_lack())
+                       if not self.python_path
+                       and not (self._auto and self.requires and self._requires_lack())
                        else None)
         self._closed = False
         self._lock = threading.Lock()

@@ -100,6 +100,40 @@ def test_seeded_entropy_and_output_agree_for_any_seed(
             == dataclasses.replace(python_outcome, duration_s=0))
 
 
+#: Replies at the edges of the plain form, which a plain run reads in C (native path) and
+#: the Python path reads with a regular expression or the JSON parser: forged by the guest.
+EDGE_REPLIES = [
+    '{"exit_code":0,"memory_error":false,"heap_top":0}',
+    '{"exit_code":255,"memory_error":true,"heap_top":18446744073709551615}',
+    '{"exit_code":256,"memory_error":false,"heap_top":0}',
+    '{"exit_code":01,"memory_error":false,"heap_top":0}',
+    '{"exit_code":7,"memory_error":false,"heap_top":18446744073709551616}',
+    '{"exit_code":7,"memory_error":false,"heap_top":99999999999999999999}',
+    '{"exit_code":7,"memory_error":false,"heap_top":123456789012345678901}',
+    '{"exit_code":3,"memory_error":false,"heap_top":5} ',
+    '{"exit_code":3,"memory_error":false,"heap_top":5',
+    '{"exit_code":3, "memory_error":false,"heap_top":5}',
+    '{"exit_code":3,"memory_error":fals,"heap_top":5}',
+    '{"exit_code":0,"memory_error":false,"heap_top":-1}',
+    '{"exit_code":0,"memory_error":false,"heap_top":0,"error":{"type":"MemoryError",'
+    '"message":"","traceback":""}}',
+    '{"exit_code":1,"memory_error":true,"heap_top":0,"error":{"type":"MemoryError",'
+    '"message":"","traceback":""}}',
+    '{"exit_code":\u0030,"memory_error":false,"heap_top":0}',
+    '{"exit_code":0,"memory_error":false,"heap_top":0}\u00e9',
+]
+
+
+@pytest.mark.parametrize("reply", EDGE_REPLIES)
+def test_both_paths_read_a_forged_reply_alike(
+        both_paths: tuple[wasibox.Sandbox, wasibox.Sandbox], reply: str) -> None:
+    code = ("import sys\n"
+            f"sys.modules['wasibox_job'].encode_reply = lambda *fields: {reply!r}\n")
+    python_result, native_result = (sb.run(code) for sb in both_paths)
+    assert native_result.memory_peak_bytes == python_result.memory_peak_bytes
+    assert _observed(native_result) == _observed(python_result)
+
+
 def test_the_native_path_is_the_default_where_it_is_built() -> None:
     native = runtime().native
     assert (runtime().run_path == "native") is (native.module is not None), native.reason

@@ -29,7 +29,7 @@ from .engine import MIN_HOST_STACK
 from .host import NO_FINALIZER, ON_EPOCH_DEADLINE
 from .run import NativeRun, NativeTrap, Run, call_guest, call_plain, native_state
 from .runtime import RunPath, WasmRuntime, checked_run_path, runtime
-from .stack import call_with_stack
+from .stack import call_with_stack, stack_suffices
 from .traps import classify
 
 __all__ = ["PLAIN_REQUEST_CACHE_BYTES", "PlainRuns", "WasmBackend"]
@@ -187,19 +187,23 @@ class PlainRuns:
         adopt = functools.partial(self._adopt, code, store, state,
                                   time.monotonic() + self._job.limits.timeout_s)
         with rt.ticker:
-            (reply, message, status), run = call_with_stack(functools.partial(
-                call_plain, self._native, execute, store, request, state, adopt),
-                MIN_HOST_STACK)
+            # Only a thread whose stack is too small for the guest's needs the helper thread.
+            answer, run = (
+                call_plain(self._native, execute, store, request, state, adopt)
+                if stack_suffices(MIN_HOST_STACK) else call_with_stack(functools.partial(
+                    call_plain, self._native, execute, store, request, state, adopt),
+                    MIN_HOST_STACK))
+        (reply, message, status, stdout, stderr, stdout_cut, stderr_cut, limit, fault, _,
+         fuel_left, plain) = answer
         if run is None and message is None:
-            stdout, stderr, stdout_cut, stderr_cut, limit, fault, _ = state.outcome()
             limits = self._job.limits
             outcome = Outcome(
-                reply=reply, stdout=stdout, stderr=stderr, stdout_truncated=stdout_cut,
-                stderr_truncated=stderr_cut,
+                reply=reply, plain_reply=plain, stdout=stdout, stderr=stderr,
+                stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
                 limit_exceeded=None if limit is None else Limit(limit),
                 fault=(GuestException(type=fault[0], message=fault[1], traceback="")
                        if fault is not None and limit is None else None),
-                fuel_used=limits.fuel - state.fuel_left,
+                fuel_used=limits.fuel - fuel_left,
                 memory_peak_bytes=rt.min_memory_bytes, memory_limit_bytes=limits.memory_bytes,
                 duration_s=time.perf_counter() - started)
         else:  # a trap, an exit, or a host function in Python was called: as any run

@@ -430,7 +430,9 @@ def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: byt
     ``state`` (a ``native.Run``) is the run's host state, and the store's memory cap, fuel
     and epoch deadline are set from it in the C call. No Python ``Run`` is made unless a
     host function written in Python (files, host functions, HTTP) is called, which then
-    makes it with ``adopt``. Returns what ``native.call`` returned, and that Run, if made.
+    makes it with ``adopt``. Returns what ``native.call_plain`` returned (the reply, the
+    trap's message and exit status, the C state's outcome, the fuel left and the plain
+    reply read in C, or None), and that Run, if made.
     """
     slot = store.output
     slot.run = state  # the C state keeps the guest's C-level output under the cap too
@@ -438,7 +440,8 @@ def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: byt
         ctypes.addressof(execute._func), address_of(store._context()), address_of(store.ptr()))
     current.adopt = adopt
     try:
-        answer: tuple[Any, ...] = native.call(func, context, request, state, store_address)
+        answer: tuple[Any, ...] = native.call_plain(func, context, request, state,
+                                                    store_address)
     finally:
         run: Run | None = getattr(current, "run", None)
         current.run = current.adopt = None

@@ -108,7 +108,10 @@ class WasmRuntime:
         self._pool_requests: dict[object, int] = {}
         #: Used instances the filler drops (see ``release``).
         self._discards: collections.deque[object] = collections.deque()
-        self._pool_cond = threading.Condition()
+        # Runs take the lock itself (a C-level context manager); the Condition's own
+        # ``with`` adds two Python-level calls to every run's take and release.
+        self._pool_lock = threading.RLock()
+        self._pool_cond = threading.Condition(self._pool_lock)
         self._filler: threading.Thread | None = None
         self._closed = False
 
@@ -158,7 +161,7 @@ class WasmRuntime:
         CPU and of the GIL, which the run would otherwise compete for (every ctypes call and
         host callback of the run waits for the GIL): that doubled the p90 latency of a run.
         """
-        with self._pool_cond:
+        with self._pool_lock:
             if self._pool:
                 return self._pool.popleft()
             self._pool_cond.notify()  # the pool is behind: refill it while this run waits
@@ -174,7 +177,7 @@ class WasmRuntime:
         transform's batches) is already waiting to start. Without a pool, or when the
         filler is MAX_DISCARDS behind, the store is dropped here, as the caller returns.
         """
-        with self._pool_cond:
+        with self._pool_lock:
             if self._pool_size > 0 and not self._closed and len(self._discards) < MAX_DISCARDS:
                 self._discards.append(tuple(used))
                 used.clear()
