@@ -2,7 +2,8 @@
 
 Each run gets a fresh instance (from the runtime's pool when it can), one call under the
 job's fuel, memory, output and time limits, and an ``Outcome`` measured by the host. A
-session keeps one instance for its calls instead.
+session keeps one instance for its calls instead. ``PlainRuns`` is the same for a Sandbox's
+plain runs (``run(code)`` and nothing else), with what does not change between them made once.
 """
 
 from __future__ import annotations
