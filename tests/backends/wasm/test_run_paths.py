@@ -134,6 +134,34 @@ def test_both_paths_read_a_forged_reply_alike(
     assert _observed(native_result) == _observed(python_result)
 
 
+#: Programs whose plain run (``run(code)``) takes the prepared path on the native run path,
+#: compared with the same run through the general path (``limits={}`` narrows nothing).
+PLAIN_PROGRAMS = {
+    **PROGRAMS,
+    "open": "open('/etc/passwd')",
+    "host_call": "import host\nhost.lookup(1)",
+    "memory": "x = bytearray(10**9)",
+    "recursion": "def f(n): return f(n + 1)\nf(0)",
+    "syntax": "def (",
+    "unicode": "print('\\udc80 \\u00e9', end='')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_PROGRAMS))
+def test_a_plain_run_is_the_general_run(name: str) -> None:
+    native = run_path_backend("native")
+    with wasibox.Sandbox(LIMITS, backend=native) as sb:
+        assert sb._plain is not None, "a plain run on the native path takes the prepared path"
+        plain, general = sb.run(PLAIN_PROGRAMS[name]), sb.run(PLAIN_PROGRAMS[name], limits={})
+    assert _observed(plain) == _observed(general)
+    assert (plain.memory_peak_bytes, plain.stderr_truncated) == (
+        general.memory_peak_bytes, general.stderr_truncated)
+    assert [(event.capability, event.target, event.allowed, event.reason)
+            for event in plain.capability_log] == [
+        (event.capability, event.target, event.allowed, event.reason)
+        for event in general.capability_log]
+
+
 def test_the_native_path_is_the_default_where_it_is_built() -> None:
     native = runtime().native
     assert (runtime().run_path == "native") is (native.module is not None), native.reason
