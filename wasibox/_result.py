@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._events import CapabilityEvent
 from ._limits import Limit
-from ._wire import ProtocolError, Reply, decode_reply, max_elements
+from ._wire import ProtocolError, decode_reply, max_elements
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -308,20 +308,23 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
     memory_peak = outcome.memory_peak_bytes
     if outcome.reply is not None and limit is None:
         try:
-            reply = (decode_reply(outcome.reply, reply_limit,
-                                  max_elements(outcome.memory_limit_bytes))
-                     if outcome.plain_reply is None else Reply(
-                         outcome.plain_reply[0], None, None, *outcome.plain_reply[1:]))
+            if outcome.plain_reply is not None:  # read by the backend: no error, no value
+                reply_exit_code, memory_error, heap_top = outcome.plain_reply
+            else:
+                reply = decode_reply(outcome.reply, reply_limit,
+                                     max_elements(outcome.memory_limit_bytes))
+                reply_exit_code, memory_error, heap_top = (
+                    reply.exit_code, reply.memory_error, reply.heap_top)
+                value = reply.value
+                if reply.error is not None:
+                    error = GuestException(**reply.error)
         except ProtocolError as exc:
             error = GuestException(type="ProtocolError", message=str(exc), traceback="")
             exit_code = 1
         else:
-            exit_code = reply.exit_code if exit_code is None else exit_code
-            value = reply.value
-            if reply.error is not None:
-                error = GuestException(**reply.error)
-            memory_peak = max(memory_peak, min(reply.heap_top, outcome.memory_limit_bytes))
-            if (reply.memory_error and error is not None and error.type == "MemoryError"
+            exit_code = reply_exit_code if exit_code is None else exit_code
+            memory_peak = max(memory_peak, min(heap_top, outcome.memory_limit_bytes))
+            if (memory_error and error is not None and error.type == "MemoryError"
                     and not error.message):
                 # The allocation that failed was the one that would have crossed the cap.
                 # (An allocator failure raises a bare MemoryError; one with a message, such
