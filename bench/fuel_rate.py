@@ -27,6 +27,12 @@ PROGRAMS = {
                   "    values = [r.random() for _ in range(50_000)]\n    values.sort()\n"),
     "json round trip": ("import json\nd = [{'a': i, 'b': str(i)} for i in range(20_000)]\n"
                         "for _ in range(10):\n    json.loads(json.dumps(d))\n"),
+    # The tightest loops found: the eval loop doing nothing, and C loops over big buffers.
+    "empty loop": "for _ in range(20_000_000):\n    pass\n",
+    "bigint multiply": "x = 10**200_000\nfor _ in range(20):\n    x * x\n",
+    "sha256": "import hashlib\nb = bytes(10**7)\nfor _ in range(10):\n    hashlib.sha256(b)\n",
+    "zlib.crc32": ("import zlib\nb = bytes(range(256)) * 40_000\nfor _ in range(200):\n"
+                   "    zlib.crc32(b)\n"),
 }
 
 

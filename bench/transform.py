@@ -1,17 +1,22 @@
 """Transform throughput: wasibox.Transform against host CPython on the same function.
 
-For ``def transform(r): return {"id": r["id"], "total": r["price"] * r["qty"]}`` over
-``--records`` records (default 100,000), prints records/s for host CPython (a plain list
-comprehension) and for ``Transform.map`` at several batch sizes, the ratio between them
-(target: 8 or less), the fuel burnt, and where the wasibox time goes (host-side encode and
-decode, measured separately on the same records; the guest's fuel per record in each phase
-of a batch). Medians over ``--repeat`` rounds, all measured in this one process, in wall time
-and in CPU time (the process's, all threads; host CPython's thread), which other load on the
-machine disturbs less; each round runs host CPython and then the batch size, and a ratio is
-the median of the rounds' own ratios. Nothing is asserted.
+Over ``--records`` records (default 100,000) of customers, strings and numbers with a list
+of tags (``{"id", "name", "city", "price", "qty", "tags"}``), a function that reads them all,
+formats a string and computes a total (``CODE``), prints records/s for host CPython (a plain
+list comprehension) and for ``Transform.map`` at several batch sizes, the ratio between them
+(target: 8 or less at the default settings), the fuel burnt, and where the wasibox time goes
+(host-side encode and decode, measured separately on the same records; the guest's fuel per
+record in each phase of a batch). ``--kind numbers`` runs the earlier records of numbers
+only (``{"id", "price", "qty"} -> {"id", "total"}``) instead. Medians over ``--repeat``
+rounds, all measured in this one process, in wall time and in CPU time (the process's, all
+threads; host CPython's thread), which other load on the machine disturbs less; each round
+runs host CPython and then the batch size, and a ratio is the median of the rounds' own
+ratios. Rounds run back to back; ``--pace 2`` sleeps that many seconds before each
+measurement instead, as a map that comes now and then would run (the warm pool refilled,
+the worker threads gone). Nothing is asserted.
 
-    python bench/transform.py [--records 100000] [--repeat 3]
-                              [--batch-sizes 1000,10000,100000,auto]
+    python bench/transform.py [--records 100000] [--repeat 3] [--kind mixed|numbers]
+                              [--batch-sizes 1000,10000,100000,auto] [--pace 0]
 """
 
 from __future__ import annotations
@@ -31,13 +36,21 @@ from wasibox._transform import BATCH_REPLY_LIMIT, DEFAULT_BATCH_SIZE
 from wasibox.backends.wasm import backend as wasm_backend
 from wasibox.backends.wasm.runtime import WasmRuntime
 
-CODE = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
+#: Records with strings, numbers and a little nesting, and a function that uses each.
+CODE = '''def transform(r):
+    return {"id": r["id"], "customer": r["name"].upper(), "where": r["city"] + "/" + r["tags"][0],
+            "total": round(r["price"] * r["qty"], 2), "tags": len(r["tags"])}
+'''
+#: The records of numbers only that this bench measured first.
+NUMBERS_CODE = 'def transform(r):\n    return {"id": r["id"], "total": r["price"] * r["qty"]}\n'
+CITIES = ["Lisbon", "Osaka", "Nairobi", "Lima", "Montréal"]
+TAGS = [["new"], ["returning", "vip"], ["new", "eu", "newsletter"]]
 RATIO_TARGET = 8.0
 
 # Where a batch's guest fuel goes: each phase of the runner's batch loop, redone step by step
 # in a sandbox on the same payload (fuel is deterministic, so differences are exact). The
 # encoding phase calls the runner's own encoder, which the guest program can reach.
-PHASES = CODE + """
+PHASES = """
 import gc, marshal, sys
 runner = sys.modules["wasibox_batch"]
 held = []
@@ -47,7 +60,7 @@ def measure(payload, upto):
         loaded = marshal.loads(payload)
         gc.enable()
         gc.freeze()
-        records = loaded[1] if type(loaded) is tuple else loaded
+        records = loaded[-1] if type(loaded) is tuple else loaded
         held.append(records)
     if upto >= 2:
         gc.set_threshold(50_000 + 2 * len(records), *gc.get_threshold()[1:])
@@ -59,8 +72,12 @@ def measure(payload, upto):
 """
 
 
-def records(count: int) -> list[dict[str, Any]]:
-    return [{"id": i, "price": 1.25 + i % 97, "qty": i % 13} for i in range(count)]
+def records(count: int, kind: str = "mixed") -> list[dict[str, Any]]:
+    if kind == "numbers":
+        return [{"id": i, "price": 1.25 + i % 97, "qty": i % 13} for i in range(count)]
+    return [{"id": i, "name": f"customer-{i}", "city": CITIES[i % len(CITIES)],
+             "price": 1.25 + i % 97, "qty": i % 13, "tags": TAGS[i % len(TAGS)]}
+            for i in range(count)]
 
 
 def median_time(function: Callable[[], object], repeat: int,
@@ -86,29 +103,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="seconds to sleep before each measurement (default 0: back to back)")
     parser.add_argument("--batch-sizes", default="1000,10000,100000,auto",
                         help="comma-separated record counts, or 'auto' (the default size)")
+    parser.add_argument("--kind", choices=["mixed", "numbers"], default="mixed",
+                        help="records of strings, numbers and tags (default), or numbers only")
     args = parser.parse_args()
-    data = records(args.records)
+    code = CODE if args.kind == "mixed" else NUMBERS_CODE
+    data = records(args.records, args.kind)
     sizes: list[int | Literal["auto"]] = [
         "auto" if size == "auto" else int(size) for size in args.batch_sizes.split(",")]
 
     namespace: dict[str, Any] = {}
-    exec(CODE, namespace)  # the benchmark's own, trusted copy of the function, for the baseline
+    exec(code, namespace)  # the benchmark's own, trusted copy of the function, for the baseline
     host_function = namespace["transform"]
 
     def host() -> list[Any]:
         return [host_function(r) for r in data]
 
     expected = host()
-    print(f"transform throughput, {args.records:,} records, guest {wasibox.guest_digest()[:12]}")
+    paced = f", paced {args.pace:g} s" if args.pace else ", back to back"
+    print(f"transform throughput, {args.records:,} records ({args.kind}{paced}), "
+          f"guest {wasibox.guest_digest()[:12]}")
 
     results = {}
     host_walls: list[float] = []
     host_cpus: list[float] = []
     # Limits apply to a whole batch: give a 100,000-record batch room to finish.
     limits = wasibox.Limits(fuel=10**12, timeout_s=300, memory_bytes="2GiB")
-    with wasibox.Transform(CODE, limits=limits) as t:
+    with wasibox.Transform(code, limits=limits) as t:
         t.map(data[:2000], batch_size=1000, progress=False)  # warm the runtime
         for size in sizes:
             fuel_before, batches_before = t.fuel_used, t.batches_run
@@ -118,8 +142,10 @@ def main() -> None:
                 # one round's pair: a change in the machine's load moves both sides alike.
                 # Each side's outputs are dropped before the other runs, so that both build
                 # theirs in the memory the last round freed (or neither does).
+                time.sleep(args.pace)
                 host_wall, host_cpu, _ = timed(host, time.thread_time)
                 _ = None
+                time.sleep(args.pace)
                 elapsed, cpu, out = timed(
                     lambda s=size: t.map(data, batch_size=s, progress=False),
                     time.process_time)
@@ -139,7 +165,7 @@ def main() -> None:
                   f"{cpu * 1e3:.0f} ms ratio {cpu_ratio:5.1f}x  fuel {fuel:,} "
                   f"({fuel / args.records:,.0f}/record) in {batches} instances")
         one = t.fuel_used
-        t({"id": 1, "price": 1.0, "qty": 1})
+        t(data[1])
         print(f"  fixed cost of one instance: {t.fuel_used - one:,} fuel (a 1-record batch)")
         breakdown(lambda: t.map(data, progress=False), args.repeat)
     host_s, host_cpu = statistics.median(host_walls), statistics.median(host_cpus)
@@ -152,7 +178,7 @@ def main() -> None:
     batch = data[:size]
     _, encode_cpu, payload = median_time(lambda: encode_records(batch), args.repeat)
     with wasibox.Sandbox(limits) as sandbox:
-        outcome = sandbox._execute_batch(CODE, "transform", payload)  # type: ignore[arg-type]
+        outcome = sandbox._execute_batch(code, "transform", payload)  # type: ignore[arg-type]
     assert outcome.reply is not None
     _, decode_cpu, _ = median_time(
         lambda: decode_batch_reply(outcome.reply, len(batch), BATCH_REPLY_LIMIT,  # type: ignore[arg-type]
@@ -160,7 +186,7 @@ def main() -> None:
         args.repeat)
     print(f"  of a {size:,}-record batch: host encode {encode_cpu * 1e3:.0f} ms CPU, guest "
           f"{outcome.duration_s * 1e3:.0f} ms, host decode {decode_cpu * 1e3:.0f} ms CPU")
-    guest_phases(payload, size, limits, outcome.fuel_used)
+    guest_phases(code, payload, size, limits, outcome.fuel_used)
     # The target is for what users get, the default batch size; the best size is context.
     wall = min(wall for wall, _ in results.values())
     cpu = min(cpu for _, cpu in results.values())
@@ -232,12 +258,14 @@ def breakdown(run_map: Callable[[], object], repeat: int) -> None:
           f"{rest / repeat * 1e3:5.0f} ms")
 
 
-def guest_phases(payload: bytes, count: int, limits: wasibox.Limits, total: int) -> None:
+def guest_phases(code: str, payload: bytes, count: int, limits: wasibox.Limits,
+                 total: int) -> None:
     """Print the guest fuel per record of each phase of one batch of ``count`` records."""
     fuel = []
     with wasibox.Sandbox(limits) as sandbox:
         for upto in range(4):
-            fuel.append(sandbox.run(PHASES, entry="measure", args=[payload, upto]).fuel_used)
+            fuel.append(sandbox.run(code + PHASES, entry="measure",
+                                    args=[payload, upto]).fuel_used)
     names = ["load the records (marshal)", "call the function", "encode the outputs"]
     parts = [(name, (fuel[i + 1] - fuel[i]) / count) for i, name in enumerate(names)]
     rest = total / count - sum(per for _, per in parts)

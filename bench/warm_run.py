@@ -4,8 +4,9 @@ Each run finds a primed instance in the warm pool (``--gap-ms`` of idle time bef
 ``latency.py``'s paced figure). For each run, on the calling thread, it measures wall and CPU
 time and minor page faults (``getrusage(RUSAGE_THREAD)``) of:
 
-- *host before the call*: ``Sandbox.run`` up to the backend (job, admission, backend choice),
-  then the backend up to the guest call (request encoding, pool take, run state, ticker);
+- *host before the call*: ``Sandbox.run`` up to the backend (checks, admission, backend
+  choice), then the backend up to the guest call (request, pool take, run state, ticker);
+  a plain run such as this one takes the backend's prepared path (``PlainRuns``);
 - *the guest call* (``call_guest``): the wasm code, the page faults it takes on copy-on-write
   pages the priming did not touch, and its host-function calls;
 - *host after the call*: the outcome, releasing the instance, and decoding the reply into the
@@ -66,9 +67,14 @@ def stamped(marks: dict[str, Stamp], before: str, after: str,
 
 def phases(runs: int, gap_s: float) -> None:
     marks: dict[str, Stamp] = {}
+    # A plain run (nothing but the code set) takes the backend's prepared path, PlainRuns;
+    # any other run takes WasmBackend.execute. Both are stamped, so either way is split.
     wasm_backend.call_guest = stamped(marks, "call", "called", wasm_backend.call_guest)
+    wasm_backend.call_plain = stamped(marks, "call", "called", wasm_backend.call_plain)
     wasm_backend.WasmBackend.execute = stamped(  # type: ignore[method-assign]
         marks, "backend", "backend done", wasm_backend.WasmBackend.execute)
+    wasm_backend.PlainRuns.__call__ = stamped(  # type: ignore[method-assign]
+        marks, "backend", "backend done", wasm_backend.PlainRuns.__call__)
     rows = []
     with wasibox.Sandbox() as sandbox:
         for index in range(runs + WARMUP_RUNS):

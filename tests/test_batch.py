@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import marshal
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wasibox._batch import decode_batch_reply, encode_records
 from wasibox._wire import ProtocolError
@@ -54,6 +57,30 @@ def test_forged_marshalled_columns_are_protocol_errors(kind: str, tail: str) -> 
     text = reply({"columns": [kind], "keys": ["n"]}, 2, tail=tail)
     with pytest.raises(ProtocolError):
         decode_batch_reply(text, 2, LIMIT, ELEMENTS)
+
+
+def test_str_columns_split_their_text() -> None:
+    names = ["ana", "", "Zoë 🎉", "x" * 300]
+    joined = "\x00".join(names)
+    text = reply({"columns": [{"s": len(joined)}, "i"], "keys": ["name", "n"]},
+                 4, tail=joined + marshalled([1, 2, 3, 4]))
+    assert decode_batch_reply(text, 4, LIMIT, ELEMENTS).values == [
+        {"name": name, "n": n} for name, n in zip(names, [1, 2, 3, 4], strict=True)]
+
+
+@pytest.mark.parametrize("column, count, tail", [
+    ({"s": 3}, 2, "abc"),              # one str where two belong
+    ({"s": 5}, 2, "a\x00b\x00c"),       # three
+    ({"s": 2}, 2, "a\x00b"),            # a length that is not the text's
+    ({"s": -1}, 1, ""),
+    ({"s": 1.5}, 1, "a"),
+    ({"s": 1, "t": 1}, 1, "a"),
+    ({"s": True}, 1, "a"),
+])
+def test_forged_str_columns_are_protocol_errors(column: object, count: int, tail: str) -> None:
+    text = reply({"columns": [column], "keys": ["n"]}, count, tail=tail)
+    with pytest.raises(ProtocolError):
+        decode_batch_reply(text, count, LIMIT, ELEMENTS)
 
 
 def test_keys_are_data_never_code() -> None:
@@ -113,12 +140,68 @@ def test_dicts_with_the_same_keys_go_keyed_and_load_exactly() -> None:
     records = [{"id": i, "name": f"n{i}" * (i % 3), "price": i / 4, "tags": [i, (i,)],
                 "flag": i % 2 == 0, "none": None, "big": 2**40 + i, "raw": b"\x00"}
                for i in range(50)]
-    keys, loaded = marshal.loads(encode_records(records))
+    keys, loaded = marshal.loads(encode_records(records))  # no str repeats: nothing shared
     assert keys == tuple(records[0])
     assert loaded == records
     assert [[type(v) for v in r.values()] for r in loaded] == \
         [[type(v) for v in r.values()] for r in records]
     assert all(list(r) == list(keys) for r in loaded)
+
+
+#: Values by kind of column: fixed-size marshal (int32s, floats, singletons) or not.
+_KINDS = {
+    "int32": st.integers(-(2**31), 2**31 - 1),
+    "float": st.floats(allow_nan=False),
+    "single": st.sampled_from([None, True, False]),
+    "big": st.integers(2**31, 2**70),
+    "str": st.text(max_size=8),
+    "list": st.lists(st.one_of(st.integers(), st.text(max_size=3)), max_size=3),
+    "mixed": st.one_of(st.none(), st.integers(), st.binary(max_size=4), st.tuples(st.booleans())),
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1, max_size=7),
+       count=st.integers(1, 12))
+def test_keyed_records_of_any_column_kinds_load_exactly(data: st.DataObject, kinds: list[str],
+                                                        count: int) -> None:
+    keys = [f"k{i}" for i in range(len(kinds))]
+    records = [{key: data.draw(_KINDS[kind]) for key, kind in zip(keys, kinds, strict=True)}
+               for _ in range(count)]
+    payload = encode_records(records)
+    assert payload == encode_records(copy.deepcopy(records))
+    loaded_keys, *_, loaded = marshal.loads(payload)
+    assert loaded_keys == tuple(keys) and loaded == records
+    assert [[type(v) for v in r.values()] for r in loaded] == \
+        [[type(v) for v in r.values()] for r in records]
+
+
+def test_repeating_strs_are_written_once_and_shared() -> None:
+    cities = ["Lisbon", "Zoë", "Lisbon", "\ud800", "Lisbon", "Zoë"]
+    records = [{"id": i, "city": city, "name": f"n{i}", "again": city[::-1]}
+               for i, city in enumerate(cities)]
+    keys, shared, loaded = marshal.loads(encode_records(records))
+    # "name" never repeats; "city" and "again" do, and share the one table.
+    assert keys == ("id", "city", "name", "again")
+    assert shared == ("Lisbon", "Zoë", "\ud800", "nobsiL", "ëoZ")
+    assert loaded == records
+    assert loaded[0]["city"] is loaded[2]["city"] is shared[0]
+    assert encode_records(records) == encode_records(copy.deepcopy(records))
+
+
+def test_repeating_lists_of_strs_share_their_strs_but_not_the_lists() -> None:
+    tags = [["new"], ["vip", "new"], ["new"], [], ["vip", "new"], []]
+    records = [{"tags": list(t), "n": i} for i, t in enumerate(tags)]
+    keys, shared, loaded = marshal.loads(encode_records(records))
+    assert shared == ("new", "vip") and loaded == records
+    assert loaded[0]["tags"] is not loaded[2]["tags"]  # each record may change its own
+    assert loaded[0]["tags"][0] is loaded[1]["tags"][1]
+    # Lists that hold something else, or that do not repeat, go value by value.
+    for other in ([["a", 1], ["a", 1]], [["a", b"b"], ["a", b"b"]], [["a"], ["b"]],
+                  [[["a"]], [["a"]]]):
+        mixed = [{"tags": value} for value in other]
+        assert marshal.loads(encode_records(mixed))[-1] == mixed
+        assert len(marshal.loads(encode_records(mixed))) == 2
 
 
 @pytest.mark.parametrize("records", [

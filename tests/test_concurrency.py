@@ -21,6 +21,7 @@ from wasibox import Busy, Limit, Limits, RunState, Sandbox
 from wasibox.backends.base import Job, Outcome, RunControl
 from wasibox.backends.fake import FakeBackend
 from wasibox.backends.wasm.backend import WasmBackend
+from wasibox.backends.wasm.run import GuestStore
 from wasibox.backends.wasm.runtime import WasmRuntime, runtime
 from wasibox.capabilities.files.mount import STAGING_DIR
 
@@ -189,7 +190,7 @@ class GatedRuntime(WasmRuntime):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def take(self) -> tuple[wasmtime.Store, Any]:
+    def take(self) -> tuple[GuestStore, Any]:
         self.entered.set()
         self.gate.wait()
         return super().take()
@@ -477,3 +478,21 @@ def test_cancel_inside_a_blocking_host_function() -> None:
     assert result.limit_exceeded is Limit.CANCELLED
     assert result.stdout == "asking\n"
     assert result.duration_s < PATIENT.timeout_s
+
+
+def test_plain_runs_past_max_concurrency_queue_or_are_refused() -> None:
+    """A plain ``run(code)`` holds a slot as any run does: with every slot taken it queues
+    (up to ``max_queue``) and past that raises Busy."""
+    results: list[wasibox.RunResult] = []
+    with wasibox.Sandbox(max_concurrency=1, max_queue=1) as sb:
+        spinner = sb.start("while True: pass")
+        wait_for(lambda: spinner.state == RunState.RUNNING, "the first run is running")
+        queued = threading.Thread(target=lambda: results.append(sb.run("print(1)")))
+        queued.start()
+        wait_for(lambda: sb._runner.queued == 1, "the plain run is queued")
+        with pytest.raises(wasibox.Busy):
+            sb.run("print(2)")
+        spinner.cancel()
+        queued.join()
+        assert spinner.result().limit_exceeded == wasibox.Limit.CANCELLED
+        assert results[0].stdout == "1\n" and sb._runner.active == 0

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 import pickle
 import subprocess
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import wasibox
 from wasibox._batch import encode_records
+from wasibox._result import clean_text
 
 from .conftest import PYTHON, child_env, run_path_backend
 
@@ -209,19 +213,21 @@ def test_code_that_fails_to_load_fails_every_record() -> None:
         assert t.map([1], progress=False)[0].error.type == "NameError"
 
 
-def test_imap_streams_with_bounded_batches() -> None:
+@pytest.mark.parametrize("workers", [1, 3])
+def test_imap_streams_with_bounded_batches(workers: int) -> None:
     pulled: list[int] = []
 
     def source():  # type: ignore[no-untyped-def]
-        for i in range(50):
+        for i in range(80):
             pulled.append(i)
             yield i
 
-    with wasibox.Transform("def transform(r):\n    return -r\n") as t:
+    with wasibox.Transform("def transform(r):\n    return -r\n", workers=workers) as t:
         stream = t.imap(source(), batch_size=10, progress=False)
         assert next(stream) == 0
-        assert len(pulled) == 20  # the first batch, and the one running ahead
-        assert list(stream) == [-i for i in range(1, 50)]
+        # The first batch, and one running ahead per worker.
+        assert len(pulled) == 10 * (1 + workers)
+        assert list(stream) == [-i for i in range(1, 80)]
 
 
 def test_progress_callback_sees_every_batch() -> None:
@@ -313,15 +319,17 @@ def test_auto_batches_grow_while_the_limits_have_room(small_auto_batches: None) 
     assert wasibox.TransformSpec(code=TOTAL).batch_size == "auto"
     records = orders(1500)
     runs = []
-    for _ in range(2):
+    for workers in (1, 4, 2):
         seen: list[wasibox.TransformProgress] = []
-        with wasibox.Transform(TOTAL) as t:
+        with wasibox.Transform(TOTAL, workers=workers) as t:
             assert t.map(records, progress=seen.append) == expected(records)
-            runs.append((batch_sizes(seen), t.fuel_used))
-    # The second batch starts before the first is settled, so it is the first's size; then
-    # each grows fourfold (the default limits have room for far more) up to the largest.
-    assert runs[0][0] == [10, 10, 40, 160, 640, 640]
-    assert runs[0] == runs[1]  # sizes, and so fuel, are deterministic
+            runs.append((batch_sizes(seen), t.fuel_used, [p.fuel_used for p in seen]))
+    # The first AUTO_LAG + 1 batches are made before the first is settled, so they are the
+    # first's size; then each grows fourfold (the default limits have room for far more).
+    assert wasibox._transform.AUTO_LAG == 4
+    assert runs[0][0] == [10, 10, 10, 10, 10, 40, 160, 640, 610]
+    # Sizes, and so fuel and progress, are deterministic, whatever the workers.
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_auto_batches_are_the_same_on_both_run_paths(small_auto_batches: None) -> None:
@@ -335,7 +343,8 @@ def test_auto_batches_are_the_same_on_both_run_paths(small_auto_batches: None) -
             runs.append((out, batch_sizes(seen), t.fuel_used))
         backend.close()
     assert runs[0] == runs[1]
-    assert runs[0][0] == expected(records) and runs[0][1] == [10, 10, 40, 160, 480]
+    assert runs[0][0] == expected(records)
+    assert runs[0][1] == [10, 10, 10, 10, 10, 40, 160, 450]
 
 
 def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None) -> None:
@@ -362,9 +371,22 @@ def test_auto_batches_keep_to_a_share_of_the_fuel_limit(small_auto_batches: None
     assert max(sizes) > 40
 
 
+def test_a_fuel_limit_from_the_timeout_sizes_auto_batches_at_a_typical_rate() -> None:
+    # FUEL_PER_SECOND sits above the fastest C loops, so that a timeout stops a run before its
+    # fuel does; sizing batches by it would make them take several times the share of the
+    # timeout that typical code needs. A derived limit counts as AUTO_FUEL_PER_SECOND does.
+    from wasibox._transform import AUTO_FUEL_PER_SECOND, AUTO_FUEL_SHARE, _AutoSize
+    derived = _AutoSize(wasibox.Limits(timeout_s=2))
+    given = _AutoSize(wasibox.Limits(timeout_s=2, fuel=2 * AUTO_FUEL_PER_SECOND))
+    for sizer in (derived, given):
+        sizer.settled(10_000, 1_000, 10_000 * 10**6)  # a million fuel a record
+    assert derived.size == given.size == 2 * AUTO_FUEL_PER_SECOND // (AUTO_FUEL_SHARE * 10**6)
+    assert wasibox.Limits(timeout_s=2).fuel > 2 * AUTO_FUEL_PER_SECOND
+
+
 def test_auto_batches_keep_to_a_share_of_the_memory_limit(small_auto_batches: None) -> None:
     memory = 64 * 2**20
-    records = [{"id": i, "text": "x" * 2000} for i in range(1500)]
+    records = [{"id": i, "text": f"{i:04}" + "x" * 1996} for i in range(1500)]  # none repeat
     seen: list[wasibox.TransformProgress] = []
     with wasibox.Transform("def transform(r):\n    return len(r['text'])\n",
                            limits=wasibox.Limits(memory_bytes=memory)) as t:
@@ -383,12 +405,12 @@ def test_auto_batches_after_a_split_are_halved_and_stop_growing(
     seen: list[wasibox.TransformProgress] = []
     with wasibox.Transform(FLAKY, limits=wasibox.Limits(fuel=50_000_000),
                            on_error="collect") as t:
-        out = t.map(range(40), progress=seen.append)
+        out = t.map(range(80), progress=seen.append)
     assert [type(item) for item in out[3:6]] == [wasibox.FailedRecord, int,
                                                  wasibox.FailedRecord]
-    # Record 5 runs out of fuel in the first batch, which is split; the second had already
-    # started at the first size. The rest are half the split batch, and never grow.
-    assert batch_sizes(seen) == [8, 8] + [4] * 6
+    # Record 5 runs out of fuel in the first batch, which is split; the next AUTO_LAG had
+    # already been made at the first size. The rest are half the split batch, never growing.
+    assert batch_sizes(seen) == [8] * 5 + [4] * 10
 
 
 def test_spec_is_plain_data_and_a_transform_pickles() -> None:
@@ -444,3 +466,117 @@ def test_host_functions_are_forwarded_and_rerun_on_split() -> None:
     assert out[:3] == [0.0, 1.5, 3.0] and isinstance(out[3], wasibox.Failed)
     # The batch ran out of fuel, so it was split and its records re-ran: at least once each.
     assert sorted(set(seen)) == [0, 1, 2] and len(seen) > 3
+
+
+#: Records 3 and 5 fail (5 by running out of fuel, so its batch is split and re-run), the
+#: others may burn a little fuel each, and every output carries its record.
+UNEVEN = textwrap.dedent("""\
+    def transform(r):
+        if r["n"] % 17 == 3:
+            raise ValueError(f"bad record {r['n']}")
+        if r["n"] % 29 == 5:
+            while True:
+                pass
+        return {"n": r["n"], "name": r["name"].upper(), "sum": sum(range(r["n"] % 50))}
+""")
+
+
+@settings(max_examples=12, deadline=None)
+@given(count=st.integers(0, 120), size=st.sampled_from(["auto", 1, 7, 40]),
+       workers=st.integers(2, wasibox._transform.MAX_WORKERS))
+def test_workers_change_neither_outputs_nor_fuel_nor_batches(count: int, size: object,
+                                                             workers: int) -> None:
+    records = [{"n": i, "name": f"customer-{i}"} for i in range(count)]
+    runs = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wasibox._transform, "FIRST_AUTO_BATCH", 4)
+        for threads in (1, workers):
+            seen: list[wasibox.TransformProgress] = []
+            with wasibox.Transform(UNEVEN, limits=wasibox.Limits(fuel=30_000_000),
+                                   on_error="collect", workers=threads) as t:
+                out = t.map(records, batch_size=size, progress=seen.append)  # type: ignore[arg-type]
+                runs.append(([item.to_dict() if isinstance(item, wasibox.FailedRecord)
+                              else item for item in out],
+                             batch_sizes(seen), [(p.fuel_used, p.split) for p in seen],
+                             t.fuel_used, t.batches_run))
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) == count
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_first_failure_is_raised_after_the_outputs_before_it(workers: int) -> None:
+    records = [{"n": i, "name": "x"} for i in range(60)]
+    got: list[object] = []
+    with wasibox.Transform(UNEVEN, limits=wasibox.Limits(fuel=30_000_000),
+                           workers=workers) as t:
+        with pytest.raises(wasibox.GuestError) as raised:
+            got.extend(t.imap(records[6:], batch_size=5, start=6, progress=False))
+    # Record 20 (17 + 3) is the first failure from record 6 on; record 34 (29 + 5) fails
+    # later, in a batch that may already have run.
+    assert raised.value.index == 20
+    assert [item["n"] for item in got] == list(range(6, 20))  # type: ignore[index]
+
+
+def test_workers_are_checked_and_kept_in_the_spec() -> None:
+    for bad in (0, -1, True, 1.5, "2", wasibox._transform.MAX_WORKERS + 1):
+        with pytest.raises(wasibox.UsageError, match="workers"):
+            wasibox.Transform(TOTAL, workers=bad)  # type: ignore[arg-type]
+    with wasibox.Transform(TOTAL) as t:
+        with pytest.raises(wasibox.UsageError, match="workers"):
+            t.map(orders(3), workers=0)
+        assert t.spec.workers is None
+    assert 1 <= wasibox._transform.default_workers() <= wasibox._transform.MAX_WORKERS
+    t = wasibox.Transform(TOTAL, workers=2)
+    clone = pickle.loads(pickle.dumps(t))
+    assert clone.spec.workers == 2 and clone.spec == t.spec
+    assert wasibox.TransformSpec.from_dict(t.spec.to_dict()).workers == 2
+
+
+def test_str_outputs_cross_exactly_whatever_their_text() -> None:
+    # Columns of strs cross as one text joined by NULs; a str holding a NUL, or a lone
+    # surrogate (which UTF-8 cannot carry, and so comes back as U+FFFD, as a single run's
+    # values do), sends its column by the other paths instead.
+    texts = ["plain", "", "Zoë 🎉", "a\x00b", "\ud800", "x" * 500]
+    code = "def transform(r):\n    return {'t': r['t'], 'n': r['n'], 'u': r['t'].upper()}\n"
+    with wasibox.Transform(code) as t:
+        for chosen in ([0, 1, 2, 5], [0, 3], [2, 4], [4]):
+            records = [{"t": texts[i], "n": i} for i in chosen * 3]
+            want = [{"t": clean_text(texts[i]), "n": i, "u": clean_text(texts[i].upper())}
+                    for i in chosen * 3]
+            got = t.map(records, batch_size=len(records), progress=False)
+            assert got == want
+            assert [list(map(type, row.values())) for row in got] == [[str, int, str]] * len(got)
+
+
+def test_host_functions_and_writable_mounts_run_one_batch_at_a_time(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wasibox._transform, "default_workers", lambda: 3)
+    calls: list[int] = []
+
+    def seen(record: int) -> int:
+        calls.append(record)
+        return record
+
+    code = "import host\ndef transform(r):\n    return host.seen(r)\n"
+    cases: list[tuple[str, dict[str, object], int]] = [
+        ("def transform(r):\n    return r\n", {}, 3),
+        (code, {"functions": {"seen": seen}}, 1),
+        ("def transform(r):\n    return r\n",
+         {"mounts": [wasibox.Mount(tmp_path, "/out", writable=True)]}, 1),
+        ("def transform(r):\n    return r\n",
+         {"mounts": [wasibox.Mount(tmp_path, "/in")]}, 3),
+    ]
+    for source, options, workers in cases:
+        pulled: list[int] = []
+
+        def records(pulled: list[int] = pulled):  # type: ignore[no-untyped-def]
+            for i in range(60):
+                pulled.append(i)
+                yield i
+
+        with wasibox.Transform(source, **options) as t:  # type: ignore[arg-type]
+            stream = t.imap(records(), batch_size=10, progress=False)
+            assert next(stream) == 0
+            assert len(pulled) == 10 * (1 + workers), options
+            assert list(stream) == list(range(1, 60))
+    assert calls == list(range(60))  # in order: one batch at a time

@@ -60,14 +60,20 @@ def encode_records(records: list[Any]) -> bytes:
 
 
 # marshal's type codes (CPython's Python/marshal.c), for the keyed form.
-_LIST, _TUPLE, _DICT, _NULL, _REF, _INTERNED = b"[", b"(", b"{", b"0", b"r", b"t"
+_LIST, _TUPLE, _DICT, _NULL, _REF, _INTERNED, _UNICODE = (
+    b"[", b"(", b"{", b"0", b"r", b"t", b"u")
 _FLAG_REF = 0x80
 _INT32, _FLOAT = b"i", b"g"
 _COUNT = struct.Struct("<i")
+#: The types whose every value may marshal to the same size as the others of its column.
+_FIXED_SIZE_TYPES = frozenset({int, float, bool, type(None)})
+_STR = {str}
+_LISTS = {list}
 
 
 def _keyed(records: list[Any]) -> bytes | None:
-    """``marshal`` bytes of ``(keys, records)`` in which every record's keys are references.
+    """``marshal`` bytes of ``(keys, records)``, or ``(keys, shared, records)``, in which
+    every record's keys are references.
 
     The keys are written once, interned and flagged as back-references, and each record
     refers to them (``r`` and the key's index) instead of carrying its own copy: the guest
@@ -75,9 +81,17 @@ def _keyed(records: list[Any]) -> bytes | None:
     its interned constant by identity. Values are version-2 marshal, as in the plain form.
     None when the records are not dicts with the same str keys in the same order.
 
-    Columns whose values all have one fixed-size encoding (int32s, floats, or singletons
-    such as None) are laid out by strided byte copies; any other column marshals value by
-    value. All of it runs in C: no Python loop over the records.
+    A column of strs that repeat (each distinct one used at least twice on average, such as
+    a city or a status) refers to them too: each distinct str is written once, flagged, in
+    ``shared``, in order of first use. The guest then neither decodes nor allocates them per
+    record (~850 fuel less a value), and the column becomes one of references, of fixed
+    size. So does a column of lists of strs that repeat (tags), each record's list made of
+    references. Equal strs are equal values, so the bytes still follow from the values
+    alone.
+
+    Columns whose values all have one fixed-size encoding (int32s, floats, singletons such
+    as None, references) are laid out by strided byte copies; any other column marshals
+    value by value. All of it runs in C: no Python loop over the records.
     """
     count = len(records)
     if not records or set(map(type, records)) != {dict}:
@@ -89,13 +103,20 @@ def _keyed(records: list[Any]) -> bytes | None:
     # holds a key twice, so each record has exactly these keys, in this order.
     if list(itertools.chain.from_iterable(records)) != keys * count:
         return None
-    head = [_TUPLE, _COUNT.pack(2), _TUPLE, _COUNT.pack(len(keys))]
+    shared: dict[str, bytes] = {}  # each shared str -> its reference, in order of first use
+    columns = [_column_encoding(list(map(operator.itemgetter(key), records)), count,
+                                len(keys), shared)
+               for key in keys]
+    head = [_TUPLE, _COUNT.pack(3 if shared else 2), _TUPLE, _COUNT.pack(len(keys))]
     for key in keys:
         text = key.encode("utf-8", "surrogatepass")
         head += [bytes([_INTERNED[0] | _FLAG_REF]), _COUNT.pack(len(text)), text]
+    if shared:
+        head += [_TUPLE, _COUNT.pack(len(shared))]
+        for value in shared:
+            text = value.encode("utf-8", "surrogatepass")
+            head += [bytes([_UNICODE[0] | _FLAG_REF]), _COUNT.pack(len(text)), text]
     head += [_LIST, _COUNT.pack(count)]
-    columns = [_column_encoding(list(map(operator.itemgetter(key), records)), count)
-               for key in keys]
     if all(isinstance(column, bytes) for column in columns):
         body: bytes | bytearray = _fixed_rows(columns, count)  # type: ignore[arg-type]
     else:
@@ -105,8 +126,32 @@ def _keyed(records: list[Any]) -> bytes | None:
     return b"".join([*head, body])
 
 
-def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:
-    """A column's values as marshal: one bytes of equal-size encodings, or one bytes each."""
+def _column_encoding(column: list[Any], count: int, first_shared: int,
+                     shared: dict[str, bytes]) -> bytes | list[bytes]:
+    """A column's values as marshal: one bytes of equal-size encodings, or one bytes each.
+
+    A column of repeating strs becomes references, its strs added to ``shared``, whose
+    references start at ``first_shared``.
+    """
+    kinds = set(map(type, column))
+    if kinds == _STR:
+        distinct = dict.fromkeys(column)
+        if len(distinct) * 2 <= count:
+            _share(distinct, first_shared, shared)
+            return b"".join(map(shared.__getitem__, column))
+    elif kinds == _LISTS and set(map(type, itertools.chain.from_iterable(column))) <= _STR:
+        # Lists of strs that repeat (tags): each distinct list encoded once, of references;
+        # every record still gets a list of its own.
+        lists = list(map(tuple, column))
+        distinct = dict.fromkeys(lists)
+        if len(distinct) * 2 <= count:
+            _share(dict.fromkeys(itertools.chain.from_iterable(distinct)), first_shared, shared)
+            encoded = {texts: b"".join([_LIST, _COUNT.pack(len(texts)),
+                                        *map(shared.__getitem__, texts)])
+                       for texts in distinct}
+            return list(map(encoded.__getitem__, lists))
+    if not kinds <= _FIXED_SIZE_TYPES:  # strs, lists, ...: one each
+        return list(map(marshal.dumps, column, itertools.repeat(2)))
     data = marshal.dumps(column, 2)[5:]  # without the list's own type code and length
     size, rest = divmod(len(data), count)
     if rest == 0 and (size == 1 or (size == 5 and data[::5] == _INT32 * count)
@@ -114,6 +159,13 @@ def _column_encoding(column: list[Any], count: int) -> bytes | list[bytes]:
         # One-byte values are singletons (None, True, False, ...); each code is its encoding.
         return data
     return list(map(marshal.dumps, column, itertools.repeat(2)))
+
+
+def _share(texts: dict[str, None], first_shared: int, shared: dict[str, bytes]) -> None:
+    """Give each of ``texts`` not yet in ``shared`` the next reference."""
+    for text in texts:
+        if text not in shared:
+            shared[text] = _REF + _COUNT.pack(first_shared + len(shared))
 
 
 def _fixed_rows(columns: list[bytes], count: int) -> bytearray:
@@ -139,17 +191,44 @@ def _fixed_rows(columns: list[bytes], count: int) -> bytearray:
 
 
 def _variable_rows(columns: list[bytes | list[bytes]], count: int) -> bytes:
-    """Records with a column of varying sizes: interleave one bytes per value, then join."""
-    stride = 2 + 2 * len(columns)
-    pieces: list[bytes] = [b""] * (stride * count)
-    pieces[0::stride] = [_DICT] * count
-    pieces[stride - 1::stride] = [_NULL] * count
+    """Records with a column of varying sizes: one bytes per value of those columns, one
+    per stretch of a record between them, interleaved and joined.
+
+    The stretches (the dict's opening and end, the keys' references, the values of fixed
+    size) are laid out for every record at once as ``_fixed_rows`` does, then cut into one
+    bytes each by a single ``struct`` unpack: slicing them one by one in Python cost more
+    than the rest of the encoding (~9 ms per 100,000 slices, 2.8 ms unpacked).
+    """
+    varying = [column for column in columns if isinstance(column, list)]
+    template = bytearray(_DICT)
+    copies = []  # (offset in a record's stretches, column, size, first byte to copy)
+    widths = []  # each stretch's width
+    start = 0
     for index, column in enumerate(columns):
-        pieces[1 + 2 * index::stride] = [_REF + _COUNT.pack(index)] * count
-        if isinstance(column, bytes):
-            size = len(column) // count
-            column = [column[start:start + size] for start in range(0, len(column), size)]
-        pieces[2 + 2 * index::stride] = column
+        template += _REF + _COUNT.pack(index)
+        if isinstance(column, list):
+            widths.append(len(template) - start)
+            start = len(template)
+            continue
+        size = len(column) // count
+        tagged = size > 1
+        copies.append((len(template), column, size, 1 if tagged else 0))
+        template += column[:1] + bytes(size - 1) if tagged else b"\x00"
+    template += _NULL
+    widths.append(len(template) - start)
+    width = len(template)
+    rows = template * count
+    for offset, column, size, first in copies:
+        for position in range(first, size):
+            rows[offset + position::width] = column[position::size]
+    # A Struct of its own: struct.unpack would cache this one-off format, and its codes.
+    stretches = struct.Struct("".join(f"{size}s" for size in widths) * count).unpack(rows)
+    stride = 2 * len(varying) + 1
+    pieces: list[bytes] = [b""] * (stride * count)
+    for place in range(len(widths)):
+        pieces[2 * place::stride] = stretches[place::len(widths)]
+    for place, values in enumerate(varying):
+        pieces[1 + 2 * place::stride] = values
     return b"".join(pieces)
 
 
@@ -331,6 +410,11 @@ def _blob_size(column: Any, rows: int) -> int:
     """How many tail characters a column takes (0 for a JSON list)."""
     if isinstance(column, list):
         return 0
+    if isinstance(column, dict):
+        size = column.get("s")
+        if len(column) != 1 or type(size) is not int or size < 0:
+            raise ProtocolError("the guest's batch reply has a malformed column")
+        return size
     if column not in _BLOBS:
         raise ProtocolError("the guest's batch reply has a malformed column")
     size, _, code = _BLOBS[column]
@@ -342,6 +426,13 @@ def _column(column: Any, rows: int, blob: str) -> list[Any]:
         if len(column) != rows or not set(map(type, column)) <= _SCALARS:
             raise ProtocolError("the guest's batch reply has a malformed column")
         return column
+    if isinstance(column, dict):
+        # strs joined by NULs: any text splits into strs, and the reply's text came in as
+        # strict UTF-8, so it holds no lone surrogate.
+        texts = blob.split("\x00") if rows else []
+        if len(texts) != rows or (not rows and blob):
+            raise ProtocolError("the guest's batch reply has a malformed str column")
+        return texts
     size, typecode, code = _BLOBS[column]
     try:
         data = blob.encode("latin-1")

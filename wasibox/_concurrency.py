@@ -204,6 +204,23 @@ class Runner:
         assert ticket.future is not None  # a detached ticket has one from the start
         return RunHandle(ticket.control, ticket.future)
 
+    def claim(self) -> bool:
+        """Take a slot for a run on this thread if one is free now, with no ticket: the run
+        cannot be cancelled, and nothing is queued. False if it would have to wait (use
+        ``run``); raises SandboxClosed after ``close``. Call ``release`` when it ends."""
+        with self._lock:
+            if self._closed:
+                raise SandboxClosed("this Sandbox is closed; create a new one")
+            if self.max_concurrency is None or (
+                    self._active < self.max_concurrency and not self._waiting):
+                self._active += 1
+                return True
+        return False
+
+    def release(self) -> None:
+        """Free a slot taken by ``claim``."""
+        self._release()
+
     def close(self) -> None:
         """Refuse new runs and cancel queued ones; active runs finish on their own."""
         with self._lock:

@@ -21,11 +21,13 @@ from ._errors import UsageError
 __all__ = ["FUEL_PER_SECOND", "Limit", "Limits"]
 
 #: Fuel per second of wall-clock time, used to derive ``fuel`` from ``timeout_s`` when only
-#: the timeout is given. Measured on a loaded 2-core machine (``python bench/fuel_rate.py``),
-#: CPU-bound guest code burns 1.2e9 fuel/s (sorting, json) to 5.3e9 fuel/s (an integer loop);
-#: twice the fastest, so that a faster machine still reaches the timeout before the fuel runs
-#: out.
-FUEL_PER_SECOND = 10**10
+#: the timeout is given. It must stay above what any guest code burns, or the fuel runs out
+#: first and a timeout does not mean what it says. Measured on an idle 2-core machine
+#: (``python bench/fuel_rate.py``): interpreted Python burns 3.4e9 (sorting, str and dict
+#: work) to 1.1e10 fuel/s (``while True: pass``), and tight C loops more: 1.6e10 for bigint
+#: multiplication, 1.9e10 for sha256, 3.4e10 for zlib.crc32. 1e10, the rate before, ran out
+#: before the timeout on that machine; this is about three times the fastest.
+FUEL_PER_SECOND = 10**11
 #: The wall-clock limit when none is given, in seconds.
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -77,7 +79,7 @@ class Limits:
     """
 
     #: CPU budget in fuel units. Deterministic: the same program uses the same fuel.
-    #: Default: ``timeout_s * FUEL_PER_SECOND`` (50 billion for the default 5 s).
+    #: Default: ``timeout_s * FUEL_PER_SECOND`` (500 billion for the default 5 s).
     fuel: int
     #: Cap on the guest's linear memory. Growth past it gives the guest a MemoryError.
     memory_bytes: int = 256 * 2**20

@@ -272,6 +272,10 @@ class Outcome:
     """
 
     reply: str | None = None
+    #: ``reply`` read already, when it is the plain reply of most runs (no error, no value):
+    #: (exit_code, memory_error, heap_top). Set by a backend that reads it in C, in the
+    #: one form ``wasibox/_wire.py``'s ``decode_reply`` reads without its JSON parser.
+    plain_reply: tuple[int, bool, int] | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     stdout_truncated: bool = False
@@ -304,18 +308,23 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
     memory_peak = outcome.memory_peak_bytes
     if outcome.reply is not None and limit is None:
         try:
-            reply = decode_reply(outcome.reply, reply_limit,
-                                 max_elements(outcome.memory_limit_bytes))
+            if outcome.plain_reply is not None:  # read by the backend: no error, no value
+                reply_exit_code, memory_error, heap_top = outcome.plain_reply
+            else:
+                reply = decode_reply(outcome.reply, reply_limit,
+                                     max_elements(outcome.memory_limit_bytes))
+                reply_exit_code, memory_error, heap_top = (
+                    reply.exit_code, reply.memory_error, reply.heap_top)
+                value = reply.value
+                if reply.error is not None:
+                    error = GuestException(**reply.error)
         except ProtocolError as exc:
             error = GuestException(type="ProtocolError", message=str(exc), traceback="")
             exit_code = 1
         else:
-            exit_code = reply.exit_code if exit_code is None else exit_code
-            value = reply.value
-            if reply.error is not None:
-                error = GuestException(**reply.error)
-            memory_peak = max(memory_peak, min(reply.heap_top, outcome.memory_limit_bytes))
-            if (reply.memory_error and error is not None and error.type == "MemoryError"
+            exit_code = reply_exit_code if exit_code is None else exit_code
+            memory_peak = max(memory_peak, min(heap_top, outcome.memory_limit_bytes))
+            if (memory_error and error is not None and error.type == "MemoryError"
                     and not error.message):
                 # The allocation that failed was the one that would have crossed the cap.
                 # (An allocator failure raises a bare MemoryError; one with a message, such
@@ -326,21 +335,32 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
         memory_peak = max(memory_peak, outcome.memory_limit_bytes)
     if exit_code is None:
         exit_code = 1 if (limit is not None or error is not None) else 0
-    return RunResult(
-        ok=exit_code == 0 and error is None and limit is None,
-        exit_code=exit_code,
-        stdout=outcome.stdout.decode("utf-8", errors="replace"),
-        stderr=outcome.stderr.decode("utf-8", errors="replace"),
-        stdout_truncated=outcome.stdout_truncated,
-        stderr_truncated=outcome.stderr_truncated,
-        error=error,
-        limit_exceeded=limit,
-        fuel_used=outcome.fuel_used,
-        memory_peak_bytes=memory_peak,
-        duration_s=outcome.duration_s,
-        backend=backend,
-        value=value,
-        capability_log=outcome.capability_log,
-        isolation=outcome.isolation,
-        packages=packages,
-    )
+    fields: dict[str, Any] = {
+        "ok": exit_code == 0 and error is None and limit is None,
+        "exit_code": exit_code,
+        # Decoded with replacement: valid text, with no lone surrogate to clean.
+        "stdout": outcome.stdout.decode("utf-8", errors="replace"),
+        "stderr": outcome.stderr.decode("utf-8", errors="replace"),
+        "stdout_truncated": outcome.stdout_truncated,
+        "stderr_truncated": outcome.stderr_truncated,
+        "error": error,  # a GuestException cleans its own text
+        "limit_exceeded": limit,
+        "fuel_used": outcome.fuel_used,
+        "memory_peak_bytes": memory_peak,
+        "duration_s": outcome.duration_s,
+        "backend": backend,
+        "value": value,
+        "files": [],
+        "files_refused": [],
+        "capability_log": outcome.capability_log,
+        "isolation": outcome.isolation,
+        "packages": packages,
+    }
+    if outcome.capability_log:
+        return RunResult(**fields)  # its events' text is cleaned there
+    # Every field is clean already, so ``__post_init__`` would change nothing: skipping it
+    # and the frozen ``__init__``'s twenty ``object.__setattr__`` calls took ~4 us (hot)
+    # off every run's host time.
+    result = object.__new__(RunResult)
+    result.__dict__.update(fields)
+    return result

@@ -14,14 +14,22 @@ How a map runs:
 * **Batch sizes.** ``batch_size="auto"`` (the default) starts with batches of
   ``FIRST_AUTO_BATCH`` records and then sizes each batch from the ones already settled: up
   to ``AUTO_GROWTH`` times larger, as long as a batch is expected to use at most
-  ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far) and to send
+  ``1/AUTO_FUEL_SHARE`` of the fuel limit (by the fuel per record seen so far; a limit
+  derived from the timeout counts at ``AUTO_FUEL_PER_SECOND``) and to send
   at most ``1/AUTO_MEMORY_SHARE`` of the memory limit (by the bytes per record), and never
   more than ``MAX_AUTO_BATCH``; after a batch had to be split, the batches that follow are
   half its size and stop growing. The sizes follow only from fuel and bytes, which are
-  deterministic, and so are they.
-* **Pipelining.** While one batch is decoded on the calling thread, the next one already
-  runs (wasm runs without the GIL), so at most two batches are in memory, and a batch may
-  run before an earlier record's failure is raised.
+  deterministic, and so are they. A batch is sized from the batches settled
+  ``AUTO_LAG + 1`` or more places before it, a fixed lag whatever the workers: the first
+  ``AUTO_LAG + 1`` batches are ``FIRST_AUTO_BATCH`` records, and the lag leaves room for up to
+  ``MAX_WORKERS`` batches running ahead of the one being settled.
+* **Workers.** Up to ``workers`` batches run at once, each on its own thread (wasm runs
+  without the GIL), while the calling thread encodes the next batch and decodes the one
+  before, in order: at most ``workers + 1`` batches are in memory, and a batch may run before
+  an earlier record's failure is raised. ``workers=None`` (the default) is one per CPU this
+  process may use, at most ``MAX_WORKERS``, and 1 with host functions or a writable mount,
+  or on another backend than wasm. Outputs, fuel, batch sizes and progress do not depend
+  on it.
 * **Determinism.** The same code, records, seed and batch size give the same outputs and the
   same fuel in every process with the same guest digest (an automatic size included: it
   follows only from the fuel and bytes of earlier batches, unless a batch was split for a
@@ -39,6 +47,8 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import math
+import os
 import sys
 import threading
 import time
@@ -81,13 +91,25 @@ FIRST_AUTO_BATCH = 10_000
 AUTO_GROWTH = 4
 MAX_AUTO_BATCH = 100_000
 #: An automatic batch is expected to use at most this share of the fuel limit (by the fuel
-#: per record of earlier batches), leaving room for records dearer than those seen, and for
-#: a machine slower than ``FUEL_PER_SECOND`` when the fuel limit derives from the timeout.
+#: per record of earlier batches), leaving room for records dearer than those seen...
 AUTO_FUEL_SHARE = 8
+#: ...where a fuel limit derived from the timeout counts at this rate, not at
+#: ``FUEL_PER_SECOND``: that one sits above the fastest C loops (a timeout must stop a run
+#: before its fuel does), while typical interpreted code burns 3-10e9 fuel/s, so an eighth
+#: of the timeout at this rate is about an eighth of it in time, or less.
+AUTO_FUEL_PER_SECOND = 10**10
 #: ...and to send at most this share of the memory limit: the guest holds the records' bytes
 #: several times over (the request, its text, the bytes) beside the objects they decode to,
 #: ~19 times the bytes for records of small numbers.
 AUTO_MEMORY_SHARE = 64
+#: The most batches a map runs at once: each holds an instance and its batch on the host,
+#: and a map's batches are only a few dozen (100,000 small records made 7), so more rarely
+#: has batches to run.
+MAX_WORKERS = 4
+#: An automatic batch is sized from the batches settled this many places before the one
+#: just before it: up to ``MAX_WORKERS`` batches run ahead of the one settling, whatever the
+#: number of workers, and they are sized the same way with one worker or four.
+AUTO_LAG = MAX_WORKERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +175,9 @@ class TransformSpec:
     entropy: Literal["seeded", "real"] = "seeded"
     on_error: OnError = "raise"
     batch_size: BatchSize = DEFAULT_BATCH_SIZE
+    #: Batches run at once (None: one per CPU, at most ``MAX_WORKERS``); results never
+    #: depend on it.
+    workers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible data; ``TransformSpec.from_dict`` reads it back."""
@@ -189,7 +214,15 @@ class Transform:
     (the default): batches of 10,000 that grow as the fuel and bytes of the first ones show
     the limits have room (see the module's docstring).
 
-    Raises UsageError for a bad entry name, policy, batch size or sandbox option.
+    ``workers`` is how many batches run at once, each in its own instance on its own
+    thread: None (the default) is one per CPU this process may use, at most
+    ``MAX_WORKERS`` (4), or 1 when the transform has host functions or a writable mount
+    (which several batches at once would call or publish in an order that depends on
+    timing) or another backend than wasm; 1 runs them one after another. Outputs, fuel and
+    batch sizes are the same whatever it is; ``wasibox.dask`` runs each partition with one,
+    as dask spreads the partitions over its own workers.
+
+    Raises UsageError for a bad entry name, policy, batch size, workers or sandbox option.
     """
 
     def __init__(
@@ -203,6 +236,7 @@ class Transform:
         entropy: Literal["seeded", "real"] = "seeded",
         on_error: OnError = "raise",
         batch_size: BatchSize = DEFAULT_BATCH_SIZE,
+        workers: int | None = None,
         backend: Literal["wasm"] | Backend = "wasm",
         functions: Any = None,
         http: Any = None,
@@ -212,6 +246,7 @@ class Transform:
             raise UsageError(f"entry must name a function, such as 'transform', not {entry!r}")
         _check_on_error(on_error)
         _check_batch_size(batch_size)
+        _check_workers(workers)
         if functions is not None:
             sandbox_options["functions"] = functions
         if http is not None:
@@ -220,7 +255,7 @@ class Transform:
                                     backend=backend, **sandbox_options)
         self.spec = TransformSpec(code=code, entry=entry, limits=self._sandbox.limits,
                                   seed=seed, clock=clock, entropy=entropy, on_error=on_error,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, workers=workers)
         self._options = sandbox_options
         self._backend_choice = backend
         self._lock = threading.Lock()
@@ -237,7 +272,7 @@ class Transform:
         """Rebuild a transform from its spec (and the same host-side options)."""
         return cls(spec.code, spec.entry, limits=spec.limits, seed=spec.seed, clock=spec.clock,
                    entropy=spec.entropy, on_error=spec.on_error, batch_size=spec.batch_size,
-                   **sandbox_options)
+                   workers=spec.workers, **sandbox_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         if not isinstance(self._backend_choice, str):
@@ -269,48 +304,56 @@ class Transform:
 
     def map(self, records: Iterable[Any], *, batch_size: BatchSize | None = None,
             on_error: OnError | None = None, start: int = 0,
-            progress: bool | ProgressCallback | None = None) -> list[Any]:
+            progress: bool | ProgressCallback | None = None,
+            workers: int | None = None) -> list[Any]:
         """Apply the function to every record; return the outputs in order.
 
-        ``batch_size`` (None: the transform's) and ``on_error`` override the transform's
-        for this map. ``start`` is the index of the first record, so that partitions of a
-        larger input report global indexes. ``progress`` is a callback (called after each
-        batch with a TransformProgress), True or False for a bar on stderr, or None: a bar
-        when stderr is a terminal. Raises as ``on_error`` says, and UsageError for bad arguments.
+        ``batch_size``, ``on_error`` and ``workers`` (None: the transform's) override the
+        transform's for this map. ``start`` is the index of the first record, so that
+        partitions of a larger input report global indexes. ``progress`` is a callback
+        (called after each batch with a TransformProgress), True or False for a bar on
+        stderr, or None: a bar when stderr is a terminal. Raises as ``on_error`` says, and
+        UsageError for bad arguments.
         """
         outputs: list[Any] = []
         # A batch's outputs at a time: a generator resumed per record cost ~70 ns each, a
         # third of what host CPython spends per record on a small function.
-        for items in self._outputs_by_batch(records, batch_size, on_error, start, progress, None):
+        for items in self._outputs_by_batch(records, batch_size, on_error, start, progress, None,
+                                            workers):
             outputs += items
         return outputs
 
     def imap(self, records: Iterable[Any], *, batch_size: BatchSize | None = None,
              on_error: OnError | None = None, start: int = 0,
              progress: bool | ProgressCallback | None = None,
-             total: int | None = None) -> Iterator[Any]:
+             total: int | None = None, workers: int | None = None) -> Iterator[Any]:
         """Like ``map``, but lazily: reads one batch of ``records`` at a time.
 
-        Memory stays bounded by the batch size whatever the length of ``records``.
+        Memory stays bounded by the batch size (times ``workers + 1``) whatever the length
+        of ``records``.
         ``total`` (if known) lets the progress bar show a percentage.
         """
         return itertools.chain.from_iterable(
-            self._outputs_by_batch(records, batch_size, on_error, start, progress, total))
+            self._outputs_by_batch(records, batch_size, on_error, start, progress, total,
+                                   workers))
 
     def _outputs_by_batch(self, records: Iterable[Any], batch_size: BatchSize | None,
                           on_error: OnError | None, start: int,
                           progress: bool | ProgressCallback | None,
-                          total: int | None) -> Iterator[list[Any]]:
+                          total: int | None, workers: int | None) -> Iterator[list[Any]]:
         """``imap``'s outputs a batch at a time (checking the arguments now, not lazily)."""
         size = self.spec.batch_size if batch_size is None else batch_size
         policy = self.spec.on_error if on_error is None else on_error
         _check_batch_size(size)
         _check_on_error(policy)
+        _check_workers(workers)
+        threads = workers or self.spec.workers or self._default_workers()
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise UsageError(f"start must be a non-negative int, not {start!r}")
         if total is None and isinstance(records, Sequence):
             total = len(records)
-        return self._each_batch(iter(records), size, policy, start, _reporter(progress), total)
+        return self._each_batch(iter(records), size, policy, start, _reporter(progress), total,
+                                threads)
 
     def fingerprint(self, records: Iterable[Any], *,
                     batch_size: BatchSize | None = None) -> str:
@@ -357,24 +400,28 @@ class Transform:
 
     def _each_batch(self, records: Iterator[Any], size: BatchSize, policy: OnError,
                     start: int, report: ProgressCallback | None,
-                    total: int | None) -> Iterator[list[Any]]:
+                    total: int | None, workers: int) -> Iterator[list[Any]]:
         started = time.perf_counter()
         done = failed = 0
         fuel_before, splits_before = self._settled_fuel, self._splits
         index = start
         sizer = _AutoSize(self._sandbox.limits) if size == "auto" else None
-        # Batches run one after another on a worker thread (wasm runs without the GIL) while
-        # this thread encodes the next one and decodes the previous one: two batches in
-        # memory at most, and the worker only ever runs wasm.
+        # Up to ``workers`` batches run at once on worker threads (wasm runs without the GIL)
+        # while this thread encodes the next ones and decodes the oldest: ``workers + 1``
+        # batches in memory at most, and the workers only ever run wasm.
         ahead: collections.deque[tuple[list[Any], int, int, Future[Outcome]]] = (
             collections.deque())
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wasibox-transform") as pool:
+        exhausted = False
+        with ThreadPoolExecutor(max_workers=workers,
+                                thread_name_prefix="wasibox-transform") as pool:
 
             def submit_next() -> None:
-                nonlocal index
-                count = sizer.size if sizer is not None else size
+                nonlocal index, exhausted
+                count = sizer.take() if sizer is not None else size
                 assert isinstance(count, int)
-                if batch := list(itertools.islice(records, count)):
+                if not (batch := list(itertools.islice(records, count))):
+                    exhausted = True
+                else:
                     payload = b""
                     try:
                         payload = self._payload(batch, index)
@@ -387,12 +434,14 @@ class Transform:
                     index += len(batch)
 
             try:
-                submit_next()
+                while not exhausted and len(ahead) < workers:
+                    submit_next()
                 while ahead:
                     batch, first, sent, future = ahead.popleft()
-                    # Sized from the batches settled so far: the one just taken is still
-                    # running, so every map sizes its batches alike, whatever the timing.
-                    submit_next()
+                    # Sized from the batches settled AUTO_LAG places before (see _AutoSize):
+                    # every map sizes its batches alike, whatever the timing or the workers.
+                    while not exhausted and len(ahead) < workers:
+                        submit_next()
                     outcome = future.result()
                     items, failures = self._settle(batch, first, outcome, sizer)
                     if sizer is not None:
@@ -417,6 +466,17 @@ class Transform:
             finally:
                 for *_, future in ahead:
                     future.cancel()
+
+    def _default_workers(self) -> int:
+        """``workers=None``: one batch per CPU (``default_workers``) on the wasm backend for
+        a function that only computes. With host functions or a writable mount, one: they
+        would otherwise be called, or published, from several batches at once and in an
+        order that depends on timing; and another backend may not run batches at once."""
+        policy = self._sandbox.policy
+        if (self._sandbox._backend.name != "wasm" or policy.functions
+                or any(mount.writable for mount in policy.mounts)):
+            return 1
+        return default_workers()
 
     def _run(self, batch: list[Any], index: int) -> tuple[list[Any], int]:
         """Outputs (or FailedRecord) for ``batch``, whose first record has index ``index``,
@@ -506,23 +566,40 @@ class Transform:
 
 
 class _AutoSize:
-    """The size of a map's next batch when its batch_size is "auto" (see the module's
-    docstring): told about every batch once it has settled, in order."""
+    """The sizes of a map's batches when its batch_size is "auto" (see the module's
+    docstring): told about every batch once it has settled, in order, and asked for the size
+    of each batch when it is made, in order.
+
+    The first ``AUTO_LAG + 1`` batches are ``FIRST_AUTO_BATCH`` records; the batch settled
+    in ``i``th place sizes the one in ``i + AUTO_LAG + 1``th place. ``take`` is never asked
+    more than ``AUTO_LAG + 1`` sizes ahead of the batches settled (``workers <= AUTO_LAG``).
+    """
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
-        #: Records in the next batch.
+        #: The size that the batches settled so far give the next batch to be sized.
         self.size = FIRST_AUTO_BATCH
+        self._sizes = collections.deque([FIRST_AUTO_BATCH] * (AUTO_LAG + 1))
         self._growing = True
+
+    def take(self) -> int:
+        """The records in the next batch to be made."""
+        return self._sizes.popleft()
 
     def settled(self, count: int, sent: int, fuel_used: int) -> None:
         """A batch of ``count`` records, ``sent`` bytes, that burnt ``fuel_used`` (its re-runs
         not counted) has settled."""
-        if not self._growing:
-            return
+        if self._growing:
+            self._grow(count, sent, fuel_used)
+        self._sizes.append(self.size)
+
+    def _grow(self, count: int, sent: int, fuel_used: int) -> None:
         # Per record, with the batch's fixed cost spread over its records: never less than
         # a record costs, so a batch sized from it is if anything smaller than it could be.
-        fuel_room = self._limits.fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
+        fuel = self._limits.fuel
+        if self._limits.fuel_from_timeout:
+            fuel = math.ceil(self._limits.timeout_s * AUTO_FUEL_PER_SECOND)
+        fuel_room = fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
         byte_room = self._limits.memory_bytes * count // (AUTO_MEMORY_SHARE * max(sent, 1))
         self.size = max(1, min(self.size * AUTO_GROWTH, MAX_AUTO_BATCH, fuel_room, byte_room))
 
@@ -553,6 +630,23 @@ def _rebuild(spec: dict[str, Any], options: dict[str, Any]) -> Transform:
 def _check_on_error(on_error: object) -> None:
     if on_error not in ("raise", "skip", "collect"):
         raise UsageError(f"on_error must be 'raise', 'skip' or 'collect', not {on_error!r}")
+
+
+def _check_workers(workers: object) -> None:
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or not 1 <= workers <= MAX_WORKERS):
+        raise UsageError(f"workers must be None or an int from 1 to {MAX_WORKERS}, "
+                         f"not {workers!r}")
+
+
+def default_workers() -> int:
+    """Batches a map runs at once by default: one per CPU this process may use, at most
+    ``MAX_WORKERS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
 
 
 def _check_batch_size(size: object) -> None:

@@ -55,9 +55,12 @@ fuel per character to decode). Records are plain data; tuples are kept. Either
 ``marshal(list of records, 2)``, or, when every record is a dict with the same str keys in
 the same order, the *keyed* form: the marshal bytes of a tuple ``(keys, records)`` in which
 each key is written once, interned and flagged as a back-reference, and every record refers
-to it (``r`` and the key's index) before its version-2 value. The host writes these bytes
-itself (``wasibox/_batch.py``), from the keys' text and the values alone, so they too are
-the same for equal records.
+to it (``r`` and the key's index) before its version-2 value. When a column's strs repeat
+(each distinct one used twice or more on average), the tuple is ``(keys, shared, records)``:
+``shared`` holds each distinct str of those columns once, flagged, in order of first use,
+and the records refer to them as to the keys. The host writes these bytes itself
+(``wasibox/_batch.py``), from the keys' text and the values alone, so they too are the same
+for equal records.
 
 The batch reply is JSON, written by the runner's ``_execute_batch`` and checked on the host by
 ``wasibox/_batch.py`` (the host never unmarshals guest bytes)::
@@ -70,11 +73,13 @@ The batch reply is JSON, written by the runner's ``_execute_batch`` and checked 
              | None}
 
 The JSON is followed by a NUL and the raw bytes of the numeric columns, one character per
-byte (JSON never contains a raw NUL; escaping or base64 cost more fuel than packing). A
+byte, and the text of the str columns (JSON never contains a raw NUL; escaping or base64
+cost more fuel than packing). A
 column is ``"i"`` or ``"g"``, the guest's ``marshal.dumps(column, 2)`` of a list of int32s or
 of floats (``5 + 5 * rows`` or ``5 + 9 * rows`` bytes: ``[``, the count, then each item's
-type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), or a JSON list of
-scalars; the bytes come next in the tail, in column order, and columns hold the records that
+type code and value), ``"q"`` (little-endian int64s, ``8 * rows`` bytes), ``{"s": length}``
+(strs without a NUL, joined by NULs: ``length`` characters, which the host splits), or a JSON
+list of scalars; the bytes come next in the tail, in column order, and columns hold the records that
 did not fail, in order. The host never unmarshals them: it checks the header and every type
 code at its fixed place, then reads the values between the codes as an array. Before
 parsing, the host checks the JSON nests no deeper than ``MAX_DEPTH`` plus the reply's own

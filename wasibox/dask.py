@@ -215,7 +215,10 @@ def _run_partition(spec: dict[str, Any], functions: dict[str, str], digest: str,
     if runtime.digest != digest:
         raise GuestMismatch(_mismatch(_worker_address(), runtime.digest, digest))
     transform = runtime.transform(spec, functions)
-    return _Outputs(transform.map(list(records), on_error="collect", progress=False))
+    # One batch at a time: dask already runs a partition per worker thread, on every core
+    # it was given; more threads here would only contend for them and hold more batches.
+    return _Outputs(transform.map(list(records), on_error="collect", progress=False,
+                                  workers=1))
 
 
 def _renumber(items: _Outputs, start: int) -> _Outputs:

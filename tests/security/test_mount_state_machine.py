@@ -163,6 +163,18 @@ def contents(root: Path) -> dict[str, bytes | str | None]:
     return dict(sorted(found.items()))
 
 
+def final_target(path: Path) -> Path:
+    """What ``open(path, O_CREAT)`` would create: ``path``, or what its final links name,
+    each target taken relative to its link's directory and left unresolved (``..`` included)
+    for the kernel to resolve. ``os.path.realpath`` would not do: it steps back over a missing
+    directory's ``..`` lexically, where the kernel fails with ENOENT."""
+    for _ in range(40):  # the kernel's own bound; a longer chain is ELOOP, which creates nothing
+        if not path.is_symlink():
+            break
+        path = path.parent / os.readlink(path)
+    return path
+
+
 class MountMachine(RuleBasedStateMachine):
     """The reference: a real directory, real descriptors, and the quotas modelled."""
 
@@ -192,7 +204,7 @@ class MountMachine(RuleBasedStateMachine):
         if kind == "open":
             name, access, extra, slot = args
             # O_CREAT makes what a final link names (unless O_EXCL, which fails on it).
-            made = name if "excl" in extra else os.path.realpath(self.ref / name)
+            made = self.ref / name if "excl" in extra else final_target(self.ref / name)
             if "creat" in extra and self.creates(made):
                 self.charge_file()
             flags = ACCESS[access] | os.O_CLOEXEC
@@ -236,12 +248,14 @@ class MountMachine(RuleBasedStateMachine):
             getattr(os, kind)(self.ref / args[0])
         return None
 
-    def creates(self, name: str) -> bool:
+    def creates(self, name: str | Path) -> bool:
         """Whether making ``name`` (relative to the reference, or absolute) would make a new
         file (its parent is a directory)."""
         path = self.ref / name
         try:
-            in_a_directory = stat.S_ISDIR(os.lstat(path.parent).st_mode)
+            # The kernel resolves the parent, ".." and links in it included, as it stands on
+            # disk: a ".." after a missing directory is ENOENT, never a lexical step back.
+            in_a_directory = stat.S_ISDIR(os.stat(path.parent).st_mode)
         except OSError:
             return False
         return in_a_directory and not os.path.lexists(path)

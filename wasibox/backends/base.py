@@ -135,6 +135,15 @@ class Backend(abc.ABC):
         ``Limit.CANCELLED``; the guest instance is discarded either way.
         """
 
+    def plain_runs(self, limits: Limits, policy: Policy) -> Callable[[str], Outcome] | None:
+        """Optionally, a function that runs a *plain* job, ``Job(op="run", code=code,
+        limits=limits, policy=policy)`` and nothing else set, as ``execute`` would, with
+        what does not change between such jobs prepared once. A Sandbox asks once and uses
+        it for every ``run(code)`` that sets nothing else. None (the default): every run
+        goes through ``execute``.
+        """
+        return None
+
     def open_session(self, limits: Limits, policy: Policy,
                      files: FileSession | None) -> BackendSession:
         """Start one guest that will serve every call of a ``wasibox.Session``.

@@ -63,7 +63,7 @@ MEANINGS = {
                                       "configured one.",
     "tenants.NAME.package_no_index": "Take `packages` from `package_find_links` only.",
     "tenants.NAME.limits.fuel": "CPU budget in fuel units (deterministic); unset, "
-                                "`ceil(timeout_s * 1e10)`, enough for the whole timeout.",
+                                "`ceil(timeout_s * 1e11)`, enough for the whole timeout.",
     "tenants.NAME.limits.memory_bytes": "Cap on the guest's memory; past it, `MemoryError`.",
     "tenants.NAME.limits.timeout_s": "Wall-clock budget of a run, in seconds.",
     "tenants.NAME.limits.output_bytes": "Cap on stdout and stderr together.",

@@ -100,6 +100,68 @@ def test_seeded_entropy_and_output_agree_for_any_seed(
             == dataclasses.replace(python_outcome, duration_s=0))
 
 
+#: Replies at the edges of the plain form, which a plain run reads in C (native path) and
+#: the Python path reads with a regular expression or the JSON parser: forged by the guest.
+EDGE_REPLIES = [
+    '{"exit_code":0,"memory_error":false,"heap_top":0}',
+    '{"exit_code":255,"memory_error":true,"heap_top":18446744073709551615}',
+    '{"exit_code":256,"memory_error":false,"heap_top":0}',
+    '{"exit_code":01,"memory_error":false,"heap_top":0}',
+    '{"exit_code":7,"memory_error":false,"heap_top":18446744073709551616}',
+    '{"exit_code":7,"memory_error":false,"heap_top":99999999999999999999}',
+    '{"exit_code":7,"memory_error":false,"heap_top":123456789012345678901}',
+    '{"exit_code":3,"memory_error":false,"heap_top":5} ',
+    '{"exit_code":3,"memory_error":false,"heap_top":5',
+    '{"exit_code":3, "memory_error":false,"heap_top":5}',
+    '{"exit_code":3,"memory_error":fals,"heap_top":5}',
+    '{"exit_code":0,"memory_error":false,"heap_top":-1}',
+    '{"exit_code":0,"memory_error":false,"heap_top":0,"error":{"type":"MemoryError",'
+    '"message":"","traceback":""}}',
+    '{"exit_code":1,"memory_error":true,"heap_top":0,"error":{"type":"MemoryError",'
+    '"message":"","traceback":""}}',
+    '{"exit_code":\u0030,"memory_error":false,"heap_top":0}',
+    '{"exit_code":0,"memory_error":false,"heap_top":0}\u00e9',
+]
+
+
+@pytest.mark.parametrize("reply", EDGE_REPLIES)
+def test_both_paths_read_a_forged_reply_alike(
+        both_paths: tuple[wasibox.Sandbox, wasibox.Sandbox], reply: str) -> None:
+    code = ("import sys\n"
+            f"sys.modules['wasibox_job'].encode_reply = lambda *fields: {reply!r}\n")
+    python_result, native_result = (sb.run(code) for sb in both_paths)
+    assert native_result.memory_peak_bytes == python_result.memory_peak_bytes
+    assert _observed(native_result) == _observed(python_result)
+
+
+#: Programs whose plain run (``run(code)``) takes the prepared path on the native run path,
+#: compared with the same run through the general path (``limits={}`` narrows nothing).
+PLAIN_PROGRAMS = {
+    **PROGRAMS,
+    "open": "open('/etc/passwd')",
+    "host_call": "import host\nhost.lookup(1)",
+    "memory": "x = bytearray(10**9)",
+    "recursion": "def f(n): return f(n + 1)\nf(0)",
+    "syntax": "def (",
+    "unicode": "print('\\udc80 \\u00e9', end='')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_PROGRAMS))
+def test_a_plain_run_is_the_general_run(name: str) -> None:
+    native = run_path_backend("native")
+    with wasibox.Sandbox(LIMITS, backend=native) as sb:
+        assert sb._plain is not None, "a plain run on the native path takes the prepared path"
+        plain, general = sb.run(PLAIN_PROGRAMS[name]), sb.run(PLAIN_PROGRAMS[name], limits={})
+    assert _observed(plain) == _observed(general)
+    assert (plain.memory_peak_bytes, plain.stderr_truncated) == (
+        general.memory_peak_bytes, general.stderr_truncated)
+    assert [(event.capability, event.target, event.allowed, event.reason)
+            for event in plain.capability_log] == [
+        (event.capability, event.target, event.allowed, event.reason)
+        for event in general.capability_log]
+
+
 def test_the_native_path_is_the_default_where_it_is_built() -> None:
     native = runtime().native
     assert (runtime().run_path == "native") is (native.module is not None), native.reason

@@ -2,13 +2,16 @@
 
 Each run gets a fresh instance (from the runtime's pool when it can), one call under the
 job's fuel, memory, output and time limits, and an ``Outcome`` measured by the host. A
-session keeps one instance for its calls instead.
+session keeps one instance for its calls instead. ``PlainRuns`` is the same for a Sandbox's
+plain runs (``run(code)`` and nothing else), with what does not change between them made once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
+import threading
 import time
 from typing import Any, Literal
 
@@ -18,19 +21,19 @@ from wasmtime import _ffi as ffi
 from ..._control import RunControl, RunState
 from ..._errors import GuestBuildError, UsageError
 from ..._limits import Limit, Limits
-from ..._result import Outcome
+from ..._result import GuestException, Outcome
 from ..._wire import encode_request
 from ...capabilities.files.session import FileSession
 from ..base import Backend, BackendSession, Job, Policy
 from .compiler import Compiler
 from .engine import MIN_HOST_STACK
 from .host import NO_FINALIZER, ON_EPOCH_DEADLINE
-from .run import NativeRun, Run, call_guest
+from .run import NativeRun, NativeTrap, Run, call_guest, call_plain, native_state
 from .runtime import RunPath, WasmRuntime, checked_run_path, runtime
-from .stack import call_with_stack
+from .stack import call_with_stack, stack_suffices
 from .traps import classify
 
-__all__ = ["WasmBackend"]
+__all__ = ["PLAIN_REQUEST_CACHE_BYTES", "PlainRuns", "WasmBackend"]
 
 
 class WasmBackend(Backend):
@@ -100,6 +103,16 @@ class WasmBackend(Backend):
         rt.release(used)
         return outcome
 
+    def plain_runs(self, limits: Limits, policy: Policy) -> PlainRuns | None:
+        """The plain runs of a Sandbox with ``limits`` and ``policy``, prepared: on the
+        native path, with no mounts, host functions or HTTP granted; else None."""
+        rt = self._runtime
+        if (self.run_path != "native" or rt.run_path != "native" or policy.mounts
+                or policy.functions or policy.http is not None
+                or limits.memory_bytes < rt.min_memory_bytes):
+            return None
+        return PlainRuns(self, limits, policy)
+
     def open_session(self, limits: Limits, policy: Policy,
                      files: FileSession | None) -> BackendSession:
         """One instance kept for a session's calls, on the Python run path (the native path
@@ -125,6 +138,114 @@ class WasmBackend(Backend):
             return encode_request(fields)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError(f"arguments must be msgpack-compatible values: {exc}") from None
+
+
+#: Encoded requests a PlainRuns keeps, by source, least recently added out first: a
+#: service, a transform or a fuzzer runs the same few sources again and again.
+PLAIN_REQUEST_CACHE_BYTES = 4 * 2**20
+
+
+class PlainRuns:
+    """A Sandbox's plain runs (``run(code)`` with nothing else set), prepared once.
+
+    Each run still gets a fresh pooled instance, under the Sandbox's fuel, memory, output
+    and time limits, with its reply left to the Sandbox to decode as untrusted. What a
+    warm run on a paced service spent its host time on was Python, run cold (its code and
+    data out of the CPU's caches after the idle gap): about 25 steps between
+    ``Sandbox.run`` and the guest call and back, each of 1-40 us. So what does not change
+    between runs is made once here (the C-side run state with the limits and the seeded
+    generator, copied per run by ``native.Run.fresh``; the memory check; the encoded
+    request of recent sources), and no Python ``Run`` is made unless the guest calls a
+    host function written in Python (see ``call_plain``). A trap, an exit or a limit
+    goes through the same ``classify`` as any run.
+    """
+
+    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy) -> None:
+        self._backend = backend
+        self._runtime = backend._runtime
+        native = backend._runtime.native.module
+        assert native is not None  # see WasmBackend.plain_runs
+        self._native = native
+        self._job = Job(op="run", code="", limits=limits, policy=policy)
+        #: Never runs: each run's state is a copy of it.
+        self._state = native_state(self._native, self._job)
+        self._requests: dict[str, bytes] = {}
+        self._requests_bytes = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, code: str) -> Outcome:
+        """Run ``code``; raises GuestBuildError if no instance can be made."""
+        request = self._requests.get(code)
+        if request is None:
+            request = self._request(code)
+        rt = self._runtime
+        started = time.perf_counter()
+        try:
+            store, execute = rt.take()
+        except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
+            raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
+        state = self._state.fresh()
+        adopt = functools.partial(self._adopt, code, store, state,
+                                  time.monotonic() + self._job.limits.timeout_s)
+        with rt.ticker:
+            # Only a thread whose stack is too small for the guest's needs the helper thread.
+            answer, run = (
+                call_plain(self._native, execute, store, request, state, adopt)
+                if stack_suffices(MIN_HOST_STACK) else call_with_stack(functools.partial(
+                    call_plain, self._native, execute, store, request, state, adopt),
+                    MIN_HOST_STACK))
+        (reply, message, status, stdout, stderr, stdout_cut, stderr_cut, limit, fault, _,
+         fuel_left, plain) = answer
+        if run is None and message is None:
+            limits = self._job.limits
+            outcome = Outcome(
+                reply=reply, plain_reply=plain, stdout=stdout, stderr=stderr,
+                stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
+                limit_exceeded=None if limit is None else Limit(limit),
+                fault=(GuestException(type=fault[0], message=fault[1], traceback="")
+                       if fault is not None and limit is None else None),
+                fuel_used=limits.fuel - fuel_left,
+                memory_peak_bytes=rt.min_memory_bytes, memory_limit_bytes=limits.memory_bytes,
+                duration_s=time.perf_counter() - started)
+        else:  # a trap, an exit, or a host function in Python was called: as any run
+            adopted = run if isinstance(run, NativeRun) else adopt()
+            adopted.collect()
+            exit_code = (None if message is None
+                         else classify(adopted, store, NativeTrap(message, status)))
+            outcome = _outcome(rt, adopted, None if message is not None else reply, exit_code,
+                               time.perf_counter() - started)
+            run = adopted
+        used: list[object] = [store, execute, run, adopt]
+        del store, execute, run, adopt
+        rt.release(used)
+        return outcome
+
+    def _adopt(self, code: str, store: wasmtime.Store, state: Any,
+               deadline: float) -> NativeRun:
+        """The Python side of a plain run, made when it is needed."""
+        run = NativeRun(dataclasses.replace(self._job, code=code), store, self._native, state)
+        run.deadline = deadline
+        return run
+
+    def _request(self, code: str) -> bytes:
+        """``code``'s encoded request, kept if its program compiled."""
+        job = dataclasses.replace(self._job, code=code)
+        fields = job.request()
+        compiled = self._backend._compiler.compile(job)
+        if compiled is not None:
+            fields["compiled"] = compiled
+        request = encode_request(fields).encode()
+        if compiled is None or len(request) + len(code) > PLAIN_REQUEST_CACHE_BYTES // 4:
+            return request
+        with self._lock:
+            if code not in self._requests:
+                self._requests[code] = request
+                self._requests_bytes += len(request) + len(code)
+            while self._requests_bytes > PLAIN_REQUEST_CACHE_BYTES:
+                old_code, old_request = next(iter(self._requests.items()))
+                del self._requests[old_code]
+                self._requests_bytes -= len(old_request) + len(old_code)
+        return request
 
 
 def _call(rt: WasmRuntime, run: Run, execute: Any, request: str, control: RunControl,
@@ -159,7 +280,13 @@ def _call(rt: WasmRuntime, run: Run, execute: Any, request: str, control: RunCon
             exit_code = classify(run, store, exc)
         finally:
             detach()
-    duration = time.perf_counter() - started
+    return _outcome(rt, run, reply, exit_code, time.perf_counter() - started)
+
+
+def _outcome(rt: WasmRuntime, run: Run, reply: str | None, exit_code: int | None,
+             duration: float) -> Outcome:
+    """What the host measured of ``run``'s call, which ended with ``reply`` (or trapped)."""
+    job, store = run.job, run.store
     if isinstance(run, NativeRun):
         fuel_used = job.limits.fuel - run.native.fuel_left
     else:

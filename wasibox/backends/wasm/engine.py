@@ -96,7 +96,9 @@ class Ticker:
     def __enter__(self) -> None:
         with self._lock:
             self._active += 1
-            if self._thread is None or not self._thread.is_alive():
+            # ``_thread`` is None once the loop ends, however it ends (see ``_loop``): no
+            # ``is_alive()``, whose Python-level steps cost a paced warm run ~10 us.
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="wasibox-epoch",
                                                 daemon=True)
                 self._thread.start()
@@ -107,13 +109,21 @@ class Ticker:
             self._last_exit = time.monotonic()
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(EPOCH_TICK_S)
-            self._engine.increment_epoch()
+        try:
+            while True:
+                time.sleep(EPOCH_TICK_S)
+                self._engine.increment_epoch()
+                with self._lock:
+                    if (self._active == 0
+                            and time.monotonic() - self._last_exit > TICKER_IDLE_S):
+                        self._thread = None
+                        return
+        finally:
+            # Should the loop fail, the next run starts another: a run never waits on a
+            # ticker that is gone (its timeout would never fire).
             with self._lock:
-                if self._active == 0 and time.monotonic() - self._last_exit > TICKER_IDLE_S:
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    return
 
 
 def engine_config() -> wasmtime.Config:

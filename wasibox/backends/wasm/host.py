@@ -23,7 +23,7 @@ from wasmtime import component as cm
 from ..._limits import Limit
 from ..._result import GuestException
 from ...capabilities.files.session import FilesError, FileSession, StatInfo
-from .run import Run, address_of, current, taped
+from .run import Run, address_of, adopted_run, current, taped
 
 __all__ = ["NO_FINALIZER", "ON_EPOCH_DEADLINE", "WASI_VERSION", "define_host"]
 
@@ -40,7 +40,7 @@ def _host(function: Any) -> Any:
     """
 
     def call(context: Any, *args: Any) -> Any:
-        run: Run | None = getattr(current, "run", None)
+        run: Run | None = getattr(current, "run", None) or adopted_run()
         if run is None:
             raise wasmtime.WasmtimeError("wasibox: host function called outside a run")
         if run.cancelled:

@@ -17,7 +17,6 @@ import os
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -34,8 +33,9 @@ from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
 from ..base import Job
 
-__all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "OutputSlot", "Run",
-           "address_of", "c_output", "call_guest", "current", "output_slots", "taped"]
+__all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "NativeTrap", "OutputSlot",
+           "Run", "address_of", "adopted_run", "c_output", "call_guest", "call_plain",
+           "current", "GuestStore", "native_state", "taped"]
 
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
@@ -234,17 +234,13 @@ class NativeRun(Run):
     __slots__ = ("module", "native")
     python_entropy = False  # the seeded generator lives in C: no Python Random to make
 
-    def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType) -> None:
+    def __init__(self, job: Job, store: wasmtime.Store, native: ModuleType,
+                 state: Any = None) -> None:
+        """``state``: the C side, when it was made first (a plain run's); by default, one is
+        made from ``job``."""
         super().__init__(job, store)
-        limits, policy = job.limits, job.policy
         self.module = native
-        # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
-        self.native = native.Run(
-            fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
-            memory_bytes=min(limits.memory_bytes, _U64_MAX),
-            timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
-            real_clock=policy.clock == "real",
-            seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
+        self.native = state if state is not None else native_state(native, job)
 
     def append(self, fd: int, data: bytes) -> bool:
         fits: bool = self.native.append(fd, data)
@@ -267,7 +263,19 @@ class NativeRun(Run):
             self.exit_code = exit_code
 
 
-class _NativeTrap(wasmtime.WasmtimeError):
+def native_state(native: ModuleType, job: Job) -> Any:
+    """A new C-side run state (``native.Run``) for ``job``'s limits and policy."""
+    limits, policy = job.limits, job.policy
+    # C takes unsigned 64-bit values; clamping changes nothing a run can reach.
+    return native.Run(
+        fuel=min(limits.fuel, _U64_MAX), output_bytes=min(limits.output_bytes, _U64_MAX),
+        memory_bytes=min(limits.memory_bytes, _U64_MAX),
+        timeout_ns=min(int(limits.timeout_s * 1e9), _MAX_TIMEOUT_NS),
+        real_clock=policy.clock == "real",
+        seed_words=_seed_words(policy.seed) if policy.entropy == "seeded" else None)
+
+
+class NativeTrap(wasmtime.WasmtimeError):
     """A trap of the native path, shaped as wasmtime-py raises one (``code``: WASI exit)."""
 
     def __init__(self, message: str, code: int | None) -> None:
@@ -371,12 +379,26 @@ class OutputSlot:
     __slots__ = ("run", "__weakref__")
 
     def __init__(self) -> None:
-        self.run: Run | None = None
+        #: A ``Run``, or a plain run's ``native.Run``: either keeps output under the cap.
+        self.run: Run | Any = None
 
 
-#: Each store's output slot, set by ``call_guest`` for the duration of a call.
-output_slots: weakref.WeakKeyDictionary[wasmtime.Store, OutputSlot] = (
-    weakref.WeakKeyDictionary())
+class GuestStore(wasmtime.Store):
+    """A store of the guest, with what its calls need at hand: its output slot (set by
+    ``call_guest`` and ``call_plain`` for the duration of a call) and, once its instance is
+    made, the addresses the native path calls with. Looking these up per run (a weak
+    dictionary, two ctypes casts) was a measurable share of a paced warm run's host time."""
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        super().__init__(engine)
+        self.output = OutputSlot()
+        #: (its ``execute`` function, its context, the store), as C pointers.
+        self.addresses: tuple[int, int, int] | None = None
+
+    def bind(self, execute: Any) -> None:
+        """Record the addresses of ``execute`` (this store's instance's) and the store."""
+        self.addresses = (ctypes.addressof(execute._func), address_of(self._context()),
+                          address_of(self.ptr()))
 
 
 def c_output(fd: int, slot: OutputSlot) -> Any:
@@ -391,6 +413,42 @@ def c_output(fd: int, slot: OutputSlot) -> Any:
     return sink
 
 
+def adopted_run() -> Run | None:
+    """The Python side of a plain run whose guest call this thread is making, made now (see
+    ``call_plain``), or None outside a plain run."""
+    adopt: Callable[[], Run] | None = getattr(current, "adopt", None)
+    if adopt is None:
+        return None
+    run = current.run = adopt()
+    return run
+
+
+def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: bytes,
+               state: Any, adopt: Callable[[], Run]) -> tuple[tuple[Any, ...], Run | None]:
+    """Call the guest's ``execute`` on this thread on the native path, for a plain run.
+
+    ``state`` (a ``native.Run``) is the run's host state, and the store's memory cap, fuel
+    and epoch deadline are set from it in the C call. No Python ``Run`` is made unless a
+    host function written in Python (files, host functions, HTTP) is called, which then
+    makes it with ``adopt``. Returns what ``native.call_plain`` returned (the reply, the
+    trap's message and exit status, the C state's outcome, the fuel left and the plain
+    reply read in C, or None), and that Run, if made.
+    """
+    slot = store.output
+    slot.run = state  # the C state keeps the guest's C-level output under the cap too
+    func, context, store_address = store.addresses or (
+        ctypes.addressof(execute._func), address_of(store._context()), address_of(store.ptr()))
+    current.adopt = adopt
+    try:
+        answer: tuple[Any, ...] = native.call_plain(func, context, request, state,
+                                                    store_address)
+    finally:
+        run: Run | None = getattr(current, "run", None)
+        current.run = current.adopt = None
+        slot.run = None
+    return answer, run
+
+
 def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str | None:
     """Call the guest's ``execute`` on this thread, with ``run`` as its host state.
 
@@ -398,7 +456,7 @@ def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str |
     its message (and WASI exit status), raised here as wasmtime-py would raise it.
     """
     current.run = run
-    slot = output_slots.get(run.store)
+    slot: OutputSlot | None = getattr(run.store, "output", None)
     if slot is not None:
         slot.run = run
     try:
@@ -411,7 +469,7 @@ def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str |
             finally:
                 run.collect()
             if message is not None:
-                raise _NativeTrap(message, status)
+                raise NativeTrap(message, status)
             return str(reply)
         python_reply: str | None = execute(run.store, request)
         return python_reply

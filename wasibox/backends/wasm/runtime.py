@@ -37,7 +37,7 @@ from .engine import (
 from .host import define_host
 from .native import NativeBuild
 from .native import load as load_native
-from .run import NativeRun, OutputSlot, Run, address_of, c_output, call_guest, output_slots
+from .run import GuestStore, NativeRun, Run, address_of, c_output, call_guest
 from .slots import SlotPopulator, SlotReuse, configure_pooling, slot_reuse
 from .stack import call_with_stack
 
@@ -102,18 +102,21 @@ class WasmRuntime:
         self.ticker = Ticker(self.engine)
         self._priming_request = _priming_request(self)
         _runtimes.add(self)
-        self._pool: collections.deque[tuple[wasmtime.Store, Any]] = collections.deque()
+        self._pool: collections.deque[tuple[GuestStore, Any]] = collections.deque()
         self._pool_size = pool_size
         self._base_pool_size = pool_size
         self._pool_requests: dict[object, int] = {}
         #: Used instances the filler drops (see ``release``).
         self._discards: collections.deque[object] = collections.deque()
-        self._pool_cond = threading.Condition()
+        # Runs take the lock itself (a C-level context manager); the Condition's own
+        # ``with`` adds two Python-level calls to every run's take and release.
+        self._pool_lock = threading.RLock()
+        self._pool_cond = threading.Condition(self._pool_lock)
         self._filler: threading.Thread | None = None
         self._closed = False
 
     def instantiate(self, run_path: Literal["native", "python"] | None = None,
-                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
+                    preopens: Sequence[tuple[str, str]] = ()) -> tuple[GuestStore, Any]:
         """A fresh, primed store and instance of the guest for ``run_path`` (by default this
         runtime's), and its ``execute`` export. ``preopens`` are (host directory, guest
         path) pairs the guest's C code sees, writable (``FileSession.preopens``)."""
@@ -123,17 +126,16 @@ class WasmRuntime:
         return store, execute
 
     def _new_instance(self, native: ModuleType | None,
-                      preopens: Sequence[tuple[str, str]] = ()) -> tuple[wasmtime.Store, Any]:
+                      preopens: Sequence[tuple[str, str]] = ()) -> tuple[GuestStore, Any]:
         """A fresh store and instance (not primed) for the native path if ``native``, else
         for the Python path, with ``preopens`` as ``instantiate``'s; raises GuestBuildError
         if the guest exports no ``execute``."""
         linker = self._native_linker if native is not None else self.linker
         assert linker is not None
-        store = wasmtime.Store(self.engine)
+        store = GuestStore(self.engine)
         wasi = wasmtime.WasiConfig()
-        slot = output_slots[store] = OutputSlot()
-        wasi.stdout_custom = c_output(1, slot)
-        wasi.stderr_custom = c_output(2, slot)
+        wasi.stdout_custom = c_output(1, store.output)
+        wasi.stderr_custom = c_output(2, store.output)
         for host, guest in preopens:
             wasi.preopen_dir(host, guest, True)
         store.set_wasi(wasi)
@@ -148,9 +150,10 @@ class WasmRuntime:
                                   "rebuild it with `wasibox prepare`")
         if native is not None:
             native.arm(address_of(store.ptr()))  # the epoch deadline, decided in C
+            store.bind(execute)
         return store, execute
 
-    def take(self) -> tuple[wasmtime.Store, Any]:
+    def take(self) -> tuple[GuestStore, Any]:
         """A pre-made instance if one is ready, else a new one.
 
         Taking a pre-made instance does not start its replacement: the caller calls
@@ -158,7 +161,7 @@ class WasmRuntime:
         CPU and of the GIL, which the run would otherwise compete for (every ctypes call and
         host callback of the run waits for the GIL): that doubled the p90 latency of a run.
         """
-        with self._pool_cond:
+        with self._pool_lock:
             if self._pool:
                 return self._pool.popleft()
             self._pool_cond.notify()  # the pool is behind: refill it while this run waits
@@ -174,7 +177,7 @@ class WasmRuntime:
         transform's batches) is already waiting to start. Without a pool, or when the
         filler is MAX_DISCARDS behind, the store is dropped here, as the caller returns.
         """
-        with self._pool_cond:
+        with self._pool_lock:
             if self._pool_size > 0 and not self._closed and len(self._discards) < MAX_DISCARDS:
                 self._discards.append(tuple(used))
                 used.clear()
@@ -210,11 +213,21 @@ class WasmRuntime:
         self._start_filler()
 
     def _start_filler(self) -> None:
-        if self._pool_size > 0 and (self._filler is None or not self._filler.is_alive()):
+        # ``_filler`` is None once the filler ends, however it ends (see ``_fill``): no
+        # ``is_alive()`` on every run's release.
+        if self._pool_size > 0 and self._filler is None:
             self._filler = threading.Thread(target=self._fill, name="wasibox-pool", daemon=True)
             self._filler.start()
 
     def _fill(self) -> None:
+        try:
+            self._fill_until_idle()
+        finally:
+            with self._pool_cond:
+                if self._filler is threading.current_thread():
+                    self._filler = None  # ended or failed: the next release starts another
+
+    def _fill_until_idle(self) -> None:
         while True:
             with self._pool_cond:
                 if not self._pool_cond.wait_for(

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["call_with_stack", "thread_stack_bytes"]
+__all__ = ["call_with_stack", "stack_suffices", "thread_stack_bytes"]
 
 T = TypeVar("T")
 
@@ -71,6 +71,13 @@ def _current_stack_bytes() -> int | None:
         _measured.size = thread_stack_bytes()
     size: int | None = _measured.size
     return size
+
+
+def stack_suffices(min_bytes: int) -> bool:
+    """Whether the calling thread's stack is known to hold ``min_bytes``: then a call may be
+    made on it directly, without ``call_with_stack``."""
+    size = _current_stack_bytes()
+    return size is not None and size >= min_bytes
 
 
 def call_with_stack(function: Callable[[], T], min_bytes: int) -> T:

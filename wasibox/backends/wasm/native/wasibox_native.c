@@ -671,6 +671,8 @@ static wasmtime_error_t *on_epoch_deadline(wasmtime_context_t *context, void *da
 
 /* ---- the Run type ------------------------------------------------------------------------ */
 
+static PyTypeObject RunType;
+
 static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"fuel", "output_bytes", "memory_bytes", "timeout_ns", "real_clock",
                             "seed_words", NULL};
@@ -721,6 +723,30 @@ static void Run_dealloc(Run *run) {
     Py_TYPE(run)->tp_free((PyObject *)run);
 }
 
+/* fresh() -> Run: a new Run with this one's limits, clock and generator state, copied
+ * rather than parsed and seeded again. Meant for a template that never runs (a plain run's,
+ * made once per Sandbox: see backend.py), whose state is still the one it was made with. */
+static PyObject *Run_fresh(Run *template, PyObject *unused) {
+    Run *run = (Run *)RunType.tp_alloc(&RunType, 0);
+    if (run == NULL) return NULL;
+    run->fuel_limit = template->fuel_limit;
+    run->output_room = template->output_room;
+    run->memory_bytes = template->memory_bytes;
+    run->timeout_ns = template->timeout_ns;
+    run->real_clock = template->real_clock;
+    run->exit_code = -1;
+    pthread_mutex_init(&run->output_lock, NULL);
+    run->deadline_ns = UINT64_MAX;
+    run->fuel_left = template->fuel_limit;
+    atomic_init(&run->cancelled, 0);
+    if (template->seeded) {
+        memcpy(run->mt, template->mt, sizeof run->mt);
+        run->mti = template->mti;
+        run->seeded = true;
+    }
+    return (PyObject *)run;
+}
+
 static PyObject *Run_interrupt(Run *run, PyObject *unused) {
     atomic_store(&run->cancelled, 1);
     Py_RETURN_NONE;
@@ -763,6 +789,8 @@ static PyObject *Run_outcome(Run *run, PyObject *unused) {
 }
 
 static PyMethodDef Run_methods[] = {
+    {"fresh", (PyCFunction)Run_fresh, METH_NOARGS,
+     "fresh() -> Run: a new run with this never-run template's limits and state."},
     {"interrupt", (PyCFunction)Run_interrupt, METH_NOARGS,
      "Cancel the run from any thread; the guest traps within a tick."},
     {"append", (PyCFunction)Run_append, METH_VARARGS,
@@ -881,6 +909,100 @@ static PyObject *native_call(PyObject *module, PyObject *args) {
     return Py_BuildValue("(NOO)", reply, Py_None, Py_None);
 }
 
+/* The plain reply of most runs, exactly as the guest runner writes it (no error, no value):
+ * {"exit_code":N,"memory_error":B,"heap_top":N}, N without leading zeros, exit_code at most
+ * 255 (3 digits), heap_top at most 20 digits and within 64 bits. The same language as
+ * wasibox/_wire.py's _PLAIN_REPLY (which also takes heap_top past 64 bits; such a reply is
+ * left to it here). Read in C while the reply is at hand: the regular expression, run cold
+ * after the guest call, cost a paced run tens of microseconds. Returns false for anything
+ * else, which the host then decodes in Python with every check. */
+static bool digits(const char **at, const char *end, int max_digits, uint64_t *value) {
+    const char *p = *at;
+    if (p >= end || *p < '0' || *p > '9') return false;
+    if (*p == '0') {
+        *value = 0;
+        *at = p + 1;
+        return true;
+    }
+    uint64_t number = 0;
+    int count = 0;
+    while (p < end && *p >= '0' && *p <= '9') {
+        if (++count > max_digits) return false;
+        uint64_t digit = (uint64_t)(*p - '0');
+        if (number > (UINT64_MAX - digit) / 10) return false;
+        number = number * 10 + digit;
+        p++;
+    }
+    *value = number;
+    *at = p;
+    return true;
+}
+
+static bool literal(const char **at, const char *end, const char *text) {
+    size_t size = strlen(text);
+    if ((size_t)(end - *at) < size || memcmp(*at, text, size) != 0) return false;
+    *at += size;
+    return true;
+}
+
+static bool plain_reply(const char *text, size_t size, uint64_t *exit_code, bool *memory_error,
+                        uint64_t *heap_top) {
+    const char *at = text, *end = text + size;
+    if (!literal(&at, end, "{\"exit_code\":") || !digits(&at, end, 3, exit_code)
+        || *exit_code > 255 || !literal(&at, end, ",\"memory_error\":"))
+        return false;
+    if (literal(&at, end, "true")) *memory_error = true;
+    else if (literal(&at, end, "false")) *memory_error = false;
+    else return false;
+    return literal(&at, end, ",\"heap_top\":") && digits(&at, end, 20, heap_top)
+           && literal(&at, end, "}") && at == end;
+}
+
+/* call_plain(func, context, request, run, store) -> call's (reply, error message, exit)
+ * followed by run.outcome()'s seven fields, the fuel left, and the plain reply read as
+ * (exit_code, memory_error, heap_top), or None when the reply is not plain (or absent). */
+static PyObject *native_call_plain(PyObject *module, PyObject *args) {
+    PyObject *answer = NULL, *outcome = NULL, *plain = NULL, *result = NULL;
+    Run *run;
+    if (PyTuple_GET_SIZE(args) != 5 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
+        PyErr_SetString(PyExc_TypeError, "call_plain(func, context, request, run, store)");
+        return NULL;
+    }
+    run = (Run *)PyTuple_GET_ITEM(args, 3);
+    answer = native_call(module, args);
+    if (answer == NULL) return NULL;
+    outcome = Run_outcome(run, NULL);
+    if (outcome == NULL) goto done;
+    PyObject *reply = PyTuple_GET_ITEM(answer, 0);
+    uint64_t exit_code = 0, heap_top = 0;
+    bool memory_error = false;
+    Py_ssize_t size = 0;
+    /* A plain reply is ASCII and short: nothing else is looked at (nor copied to UTF-8). */
+    const char *text = reply != Py_None && PyUnicode_IS_ASCII(reply)
+                               && PyUnicode_GET_LENGTH(reply) <= 96
+                           ? PyUnicode_AsUTF8AndSize(reply, &size)
+                           : NULL;
+    if (PyErr_Occurred()) goto done;
+    if (text != NULL && plain_reply(text, (size_t)size, &exit_code, &memory_error, &heap_top))
+        plain = Py_BuildValue("(KOK)", (unsigned long long)exit_code,
+                              memory_error ? Py_True : Py_False, (unsigned long long)heap_top);
+    else
+        plain = Py_NewRef(Py_None);
+    if (plain == NULL) goto done;
+    result = Py_BuildValue("(OOOOOOOOOOKN)", reply, PyTuple_GET_ITEM(answer, 1),
+                           PyTuple_GET_ITEM(answer, 2), PyTuple_GET_ITEM(outcome, 0),
+                           PyTuple_GET_ITEM(outcome, 1), PyTuple_GET_ITEM(outcome, 2),
+                           PyTuple_GET_ITEM(outcome, 3), PyTuple_GET_ITEM(outcome, 4),
+                           PyTuple_GET_ITEM(outcome, 5), PyTuple_GET_ITEM(outcome, 6),
+                           (unsigned long long)run->fuel_left, plain);
+    plain = NULL; /* stolen by N */
+done:
+    Py_XDECREF(answer);
+    Py_XDECREF(outcome);
+    Py_XDECREF(plain);
+    return result;
+}
+
 /* arm(store): route the store's epoch deadline to the C callback. */
 static PyObject *native_arm(PyObject *module, PyObject *store_address) {
     wasmtime_store_t *store = address(store_address);
@@ -957,6 +1079,8 @@ static PyObject *native_define(PyObject *module, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"call", native_call, METH_VARARGS,
      "call(func, context, request, run): the guest's execute, with the GIL released."},
+    {"call_plain", native_call_plain, METH_VARARGS,
+     "call_plain(func, context, request, run, store): a plain run's call and outcome."},
     {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
     {"define", native_define, METH_VARARGS,
      "define(linker, wasi_version): the C host functions, on a component linker."},
