@@ -20,7 +20,10 @@ Optional fields, sent only when the caller set them (a plain run's request stays
                           # all four together: sys.argv, the directories put first on
                           # sys.path, os.environ and sys.stdin's bytes (None: left as is)
 
-Every request, ``batch`` included, may carry them.
+Every request, ``batch`` included, may carry them. The host's priming request (see
+``wasibox/backends/wasm/runtime.py``) also carries ``"prime": True``: the runner then
+collects that job's garbage before it replies, so the run that follows the priming in the
+same instance need not collect before its program.
 
 A ``run`` or ``call`` request may also carry ``"compiled": bytes``, the marshalled code object
 of ``code``; the runner then loads it instead of compiling. A ``compile`` request

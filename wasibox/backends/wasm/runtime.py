@@ -284,7 +284,9 @@ def _priming_request(runtime_: WasmRuntime) -> str:
     code compiled, in a fresh instance of the guest made for that alone (the marshalled code
     is data a guest made, and only guests load it). Should that compile fail, the source
     alone: every instance is still primed the same way."""
-    fields = PRIMING_JOB.request()
+    # "prime": the runner collects the priming job's garbage before it returns, off the
+    # run's path (see wasibox/_wire.py).
+    fields = dict(PRIMING_JOB.request(), prime=True)
     store, execute = runtime_._new_instance(None)
     compiled, _ = compile_in(runtime_, store, execute, PRIMING_JOB)
     if compiled is not None:
