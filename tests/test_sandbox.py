@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 
 import pytest
@@ -208,3 +209,12 @@ def test_guest_output_encoding(sandbox: wasibox.Sandbox) -> None:
     r = sandbox.run("import sys\nprint('héllo ✓')\nsys.stdout.flush()\n"
                     "sys.stdout.buffer.write(b'\\xff\\n')")
     assert r.stdout == "héllo ✓\n\ufffd\n"
+
+
+def test_a_plain_runs_result_holds_every_field_as_its_init_would(sandbox: wasibox.Sandbox) -> None:
+    # build_result skips RunResult.__init__ when every field is clean already: a field added
+    # to RunResult and not to that shortcut would be missing from plain runs' results.
+    result = sandbox.run("print(1)")
+    names = {field.name for field in dataclasses.fields(wasibox.RunResult)}
+    assert set(vars(result)) == names
+    assert result == wasibox.RunResult(**{name: getattr(result, name) for name in names})
