@@ -6,6 +6,7 @@ import copy
 import json
 import marshal
 import struct
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -81,6 +82,21 @@ def test_forged_str_columns_are_protocol_errors(column: object, count: int, tail
     text = reply({"columns": [column], "keys": ["n"]}, count, tail=tail)
     with pytest.raises(ProtocolError):
         decode_batch_reply(text, count, LIMIT, ELEMENTS)
+
+
+def test_a_str_column_of_nuls_is_refused_before_it_is_split() -> None:
+    # Split first, 10 million NULs would hold a list of 10 million strs (80 MB of pointers)
+    # before the count could be checked; counted first, the host holds nothing but the text.
+    tail = "\x00" * 10_000_000
+    text = reply({"columns": [{"s": len(tail)}], "keys": ["n"]}, 2, tail=tail)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="malformed str column"):
+            decode_batch_reply(text, 2, 2 * len(text), ELEMENTS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(text) + 2**20
 
 
 def test_keys_are_data_never_code() -> None:

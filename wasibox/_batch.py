@@ -428,11 +428,12 @@ def _column(column: Any, rows: int, blob: str) -> list[Any]:
         return column
     if isinstance(column, dict):
         # strs joined by NULs: any text splits into strs, and the reply's text came in as
-        # strict UTF-8, so it holds no lone surrogate.
-        texts = blob.split("\x00") if rows else []
-        if len(texts) != rows or (not rows and blob):
+        # strict UTF-8, so it holds no lone surrogate. The NULs are counted before the
+        # split, which would otherwise hold a str for each of them (a reply of NULs alone:
+        # 8 bytes of host memory a character) before its length could be checked.
+        if (blob.count("\x00") != rows - 1) if rows else blob:
             raise ProtocolError("the guest's batch reply has a malformed str column")
-        return texts
+        return blob.split("\x00") if rows else []
     size, typecode, code = _BLOBS[column]
     try:
         data = blob.encode("latin-1")
