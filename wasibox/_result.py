@@ -167,6 +167,11 @@ class RunResult:
     stderr_truncated: bool
     error: GuestException | None
     limit_exceeded: Limit | None
+    #: Fuel the run burnt (on the microVM, its CPU time at a fixed rate). Deterministic for a
+    #: run that ends by itself or by its fuel limit. A run stopped by its timeout or a cancel
+    #: reports what the engine had counted when it stopped, which is not deterministic and,
+    #: inside a loop that calls nothing (``while True: pass``), can be far less than it burnt:
+    #: Wasmtime keeps such a loop's count in a register and the stop does not write it back.
     fuel_used: int
     memory_peak_bytes: int
     duration_s: float
