@@ -209,13 +209,7 @@ class Runner:
         cannot be cancelled, and nothing is queued. False if it would have to wait (use
         ``run``); raises SandboxClosed after ``close``. Call ``release`` when it ends."""
         with self._lock:
-            if self._closed:
-                raise SandboxClosed("this Sandbox is closed; create a new one")
-            if self.max_concurrency is None or (
-                    self._active < self.max_concurrency and not self._waiting):
-                self._active += 1
-                return True
-        return False
+            return self._take_free_slot()
 
     def release(self) -> None:
         """Free a slot taken by ``claim``."""
@@ -238,13 +232,10 @@ class Runner:
                execute: Callable[[Job, RunControl], RunResult] | None) -> _Ticket:
         ticket = _Ticket(job, detached, execute)
         with self._lock:
-            if self._closed:
-                raise SandboxClosed("this Sandbox is closed; create a new one")
-            if self.max_concurrency is None or (
-                    self._active < self.max_concurrency and not self._waiting):
-                self._active += 1
+            if self._take_free_slot():
                 ticket.has_slot = True
                 return ticket
+            assert self.max_concurrency is not None  # unlimited: a slot is always free
             if len(self._waiting) >= self.max_queue:
                 raise Busy(self.max_concurrency, self.max_queue)
             ticket.queue()
@@ -252,6 +243,17 @@ class Runner:
             ticket.forget_queue_cancel = ticket.control.on_cancel(
                 lambda: self._cancel_queued(ticket))
         return ticket
+
+    def _take_free_slot(self) -> bool:
+        """With the lock held: take a slot if one is free and nobody queues before this run.
+        Raises SandboxClosed after ``close``."""
+        if self._closed:
+            raise SandboxClosed("this Sandbox is closed; create a new one")
+        if self.max_concurrency is None or (
+                self._active < self.max_concurrency and not self._waiting):
+            self._active += 1
+            return True
+        return False
 
     def _cancel_queued(self, ticket: _Ticket) -> None:
         with self._lock:
