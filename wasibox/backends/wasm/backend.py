@@ -30,7 +30,7 @@ from .engine import MIN_HOST_STACK
 from .host import NO_FINALIZER, ON_EPOCH_DEADLINE
 from .run import NativeRun, NativeTrap, Run, call_guest, call_plain, native_state
 from .runtime import RunPath, WasmRuntime, checked_run_path, runtime
-from .stack import call_with_stack, stack_suffices
+from .stack import call_with_stack
 from .traps import classify
 
 __all__ = ["PLAIN_REQUEST_CACHE_BYTES", "PlainRuns", "WasmBackend"]
@@ -188,12 +188,8 @@ class PlainRuns:
         adopt = functools.partial(self._adopt, code, store, state,
                                   time.monotonic() + self._job.limits.timeout_s)
         with rt.ticker:
-            # Only a thread whose stack is too small for the guest's needs the helper thread.
-            answer, run = (
-                call_plain(self._native, execute, store, request, state, adopt)
-                if stack_suffices(MIN_HOST_STACK) else call_with_stack(functools.partial(
-                    call_plain, self._native, execute, store, request, state, adopt),
-                    MIN_HOST_STACK))
+            answer, run = call_with_stack(call_plain, MIN_HOST_STACK, self._native, execute,
+                                          store, request, state, adopt)
         (reply, message, status, stdout, stderr, stdout_cut, stderr_cut, limit, fault, _,
          fuel_left, plain) = answer
         if run is None and message is None:
@@ -274,8 +270,7 @@ def _call(rt: WasmRuntime, run: Run, execute: Any, request: str, control: RunCon
             if run.cancelled:  # cancelled while instantiating: skip the guest entirely
                 run.stop(Limit.CANCELLED)
             # Not a closure: the store must be dropped by whoever ``release`` hands it to.
-            reply = call_with_stack(
-                functools.partial(call_guest, run, execute, request, native), MIN_HOST_STACK)
+            reply = call_with_stack(call_guest, MIN_HOST_STACK, run, execute, request, native)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             exit_code = classify(run, store, exc)
         finally:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["call_with_stack", "stack_suffices", "thread_stack_bytes"]
+__all__ = ["call_with_stack", "thread_stack_bytes"]
 
 T = TypeVar("T")
 
@@ -73,28 +73,22 @@ def _current_stack_bytes() -> int | None:
     return size
 
 
-def stack_suffices(min_bytes: int) -> bool:
-    """Whether the calling thread's stack is known to hold ``min_bytes``: then a call may be
-    made on it directly, without ``call_with_stack``."""
-    size = _current_stack_bytes()
-    return size is not None and size >= min_bytes
-
-
-def call_with_stack(function: Callable[[], T], min_bytes: int) -> T:
-    """Call ``function()`` on a thread with at least ``min_bytes`` of native stack.
+def call_with_stack(function: Callable[..., T], min_bytes: int, *args: Any) -> T:
+    """Call ``function(*args)`` on a thread with at least ``min_bytes`` of native stack.
 
     On the calling thread when its stack is known to be large enough (the common case: no
-    thread hand-off), otherwise on a helper thread that is joined before returning. The
-    function's result is returned and its exception re-raised, in the calling thread.
+    thread hand-off, and the arguments passed as they are, with no closure or partial made
+    per call), otherwise on a helper thread that is joined before returning. The function's
+    result is returned and its exception re-raised, in the calling thread.
     """
     size = _current_stack_bytes()
     if size is not None and size >= min_bytes:
-        return function()
+        return function(*args)
     outcome: list[Any] = []
 
     def target() -> None:
         try:
-            outcome.append((True, function()))
+            outcome.append((True, function(*args)))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
             outcome.append((False, exc))
 
