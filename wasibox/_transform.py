@@ -577,6 +577,9 @@ class _AutoSize:
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
+        #: The fuel a batch's share is taken of (see AUTO_FUEL_PER_SECOND).
+        self._fuel = (math.ceil(limits.timeout_s * AUTO_FUEL_PER_SECOND)
+                      if limits.fuel_from_timeout else limits.fuel)
         #: The size that the batches settled so far give the next batch to be sized.
         self.size = FIRST_AUTO_BATCH
         self._sizes = collections.deque([FIRST_AUTO_BATCH] * (AUTO_LAG + 1))
@@ -596,10 +599,7 @@ class _AutoSize:
     def _grow(self, count: int, sent: int, fuel_used: int) -> None:
         # Per record, with the batch's fixed cost spread over its records: never less than
         # a record costs, so a batch sized from it is if anything smaller than it could be.
-        fuel = self._limits.fuel
-        if self._limits.fuel_from_timeout:
-            fuel = math.ceil(self._limits.timeout_s * AUTO_FUEL_PER_SECOND)
-        fuel_room = fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
+        fuel_room = self._fuel * count // (AUTO_FUEL_SHARE * max(fuel_used, 1))
         byte_room = self._limits.memory_bytes * count // (AUTO_MEMORY_SHARE * max(sent, 1))
         self.size = max(1, min(self.size * AUTO_GROWTH, MAX_AUTO_BATCH, fuel_room, byte_room))
 
