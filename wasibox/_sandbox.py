@@ -135,7 +135,7 @@ class Sandbox:
         #: The backend's prepared plain runs (see ``_run_plain``), or None.
         self._plain = (self._backend.plain_runs(self.limits, self.policy)
                        if not self.python_path
-                       and not (self._auto and self.requires and self._requires_lack())
+                       and not (self._auto and self._wasm_lacks("", self.requires))
                        else None)
         self._closed = False
         self._lock = threading.Lock()
@@ -428,7 +428,7 @@ class Sandbox:
         # encode it to know.
         if (plain is None or type(code) is not str or self._closed
                 or len(code) * 4 > self.limits.source_bytes
-                or (self._auto and "import" in code and self._choose_code(code))
+                or (self._auto and "import" in code and self._wasm_lacks(code))
                 or not runner.claim()):
             return self._runner.run(self._job(code, None, (), None, None))
         try:
@@ -438,18 +438,13 @@ class Sandbox:
         return build_result(outcome, self._backend.name, REPLY_LIMIT_BYTES,
                             packages=self._package_pins())
 
-    def _requires_lack(self) -> bool:
-        """Whether ``requires`` names a module the wasm guest lacks."""
+    @staticmethod
+    def _wasm_lacks(code: str, requires: Sequence[str] = ()) -> bool:
+        """Whether ``code`` imports, or ``requires`` names, a module the wasm guest lacks
+        (then ``_choose`` decides where the run goes)."""
         from ._select import wasm_lacks
 
-        return bool(wasm_lacks("", self.requires))
-
-    def _choose_code(self, code: str) -> bool:
-        """Whether ``code`` imports a module the wasm guest lacks (then ``_choose`` decides
-        where it runs)."""
-        from ._select import wasm_lacks
-
-        return bool(wasm_lacks(code, ()))
+        return bool(wasm_lacks(code, requires))
 
     def _execute(self, job: Job, control: RunControl | None = None) -> RunResult:
         backend = self._choose(job)
