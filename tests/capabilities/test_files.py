@@ -10,6 +10,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -586,6 +587,48 @@ def test_concurrent_runs_on_one_mount_both_publish(tree: dict[str, Path]) -> Non
     assert sorted(p.name for p in tree["out"].iterdir()) == \
         sorted([STAGING_DIR, *(f"{n}.txt" for n in range(8))])
     assert staging_runs(tree["out"]) == []
+
+
+def test_a_run_starting_while_another_removes_its_staging_is_unaffected(
+        tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's setup reclaims the staging of dead runs. One that starts at any step of a live
+    run's removal of its published staging must neither fail nor publish that tree again:
+    the owner removes it with its lock held, journal first and lock file last."""
+    out = tree["out"]
+    mount = wasibox.Mount(out, "/out", writable=True)
+    seen: list[list[str] | OSError] = []  # each other run: the host's names, or its error
+    starting = False
+
+    def another_run_starts() -> None:
+        nonlocal starting
+        if starting:
+            return  # the other run's own cleanup
+        starting = True
+        try:
+            with FileSession([mount], open_files=8):
+                seen.append(sorted(p.name for p in out.iterdir()))
+        except OSError as exc:  # kept: the removal step it interrupts would swallow it
+            seen.append(exc)
+        finally:
+            starting = False
+
+    def after(step: Any) -> Any:
+        def stepped(*args: Any, **kwargs: Any) -> Any:
+            step(*args, **kwargs)
+            another_run_starts()
+        return stepped
+
+    with FileSession([mount], open_files=8) as session:
+        (session.trees["/out"] / "new.txt").write_text("new")
+        monkeypatch.setattr(os, "unlink", after(os.unlink))
+        monkeypatch.setattr(os, "rmdir", after(os.rmdir))
+        monkeypatch.setattr(shutil, "rmtree", after(shutil.rmtree))
+        records, refused = session.publish()
+    assert [r.path for r in records] == ["/out/new.txt"] and refused == []
+    assert len(seen) >= 4  # journal, tree, lock, directory: another run started after each
+    assert seen == [[STAGING_DIR, "new.txt"]] * len(seen)
+    assert (out / "new.txt").read_text() == "new"
+    assert staging_runs(out) == []
 
 
 def _plant(tree_dir: Path, outside: Path) -> None:

@@ -1061,8 +1061,8 @@ class FileSession:
         self._closed = True
         self._close_handles()
         for mounted in self._mounted:
-            mounted.close()
             mounted.discard()
+            mounted.close()
 
 
 def _exists(dir_fd: int, name: str) -> bool:

@@ -242,11 +242,20 @@ class Mounted:
         self.lock_fd = None
 
     def discard(self) -> None:
-        """Remove this run's staging directory, or its scratch directory (after ``close``)."""
+        """Remove this run's staging directory, or its scratch directory (before ``close``:
+        the staging goes while its lock is held, see ``_remove_run``)."""
         if self.scratch:
             shutil.rmtree(self.host, ignore_errors=True)
         if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            try:
+                staging = os.open(self.run_dir.parent, DIR_FLAGS)
+            except OSError:
+                pass  # the staging directory went with the mount's host directory
+            else:
+                try:
+                    _remove_run(staging, self.run_dir.name)
+                finally:
+                    os.close(staging)
             self.run_dir = None
 
 
@@ -348,13 +357,37 @@ def _reclaim_runs(staging_fd: int, host_fd: int) -> None:
                     os.close(lock)
         finally:
             os.close(run_fd)
-        _rmtree_at(staging_fd, name)
+        _remove_run(staging_fd, name)
 
 
-def _rmtree_at(dir_fd: int, name: str) -> None:
+def _remove_run(staging_fd: int, name: str) -> None:
+    """Remove the run directory ``name``: its journal first, its lock file last.
+
+    Its owner removes it with its lock still held, so a reclaimer that finds the directory
+    meanwhile either finds the lock file, and held, or finds no journal left to carry out;
+    it never takes a directory being removed for a dead run's and publishes it again (from
+    a tree already gone). A removal cut short (the process died) leaves the lock file, so
+    the next reclaim finishes it, and never a tree without its journal's lock."""
     try:
-        shutil.rmtree(name, dir_fd=dir_fd)
-    except FileNotFoundError:
+        run_fd = os.open(name, DIR_FLAGS, dir_fd=staging_fd)
+    except OSError:
+        return  # removed already (by its owner, or a reclaim)
+    try:
+        entries = sorted(os.listdir(run_fd), key=lambda entry: (entry == "lock",
+                                                                 entry != "journal"))
+        for entry in entries:
+            try:
+                if stat.S_ISDIR(os.stat(entry, dir_fd=run_fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(entry, dir_fd=run_fd)
+                else:
+                    os.unlink(entry, dir_fd=run_fd)
+            except OSError:
+                pass  # gone already, or kept from the host by what a guest made of it
+    finally:
+        os.close(run_fd)
+    try:
+        os.rmdir(name, dir_fd=staging_fd)
+    except OSError:
         pass
 
 
