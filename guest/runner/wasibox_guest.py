@@ -298,7 +298,15 @@ def _execute(request, streams):
         # none of it. (Generation 1, as the run's own collection was: a full one would
         # also empty the free lists the run allocates from.)
         gc.collect(1)
+        # Then the top of the heap, which a run allocates from (see _plug_heap_holes), is
+        # written a little past where the priming job's chunks reached: a run's chunks of
+        # other sizes reach a little further, and took a page fault there.
+        _bytes(_PRIMED_TOP_BYTES)
     return reply
+
+
+#: How much of the heap's top the priming job writes past its own chunks (see ``_execute``).
+_PRIMED_TOP_BYTES = 64 * 1024
 
 
 def _finish(session):
@@ -344,6 +352,51 @@ def _heap_top():
         return _id(block) + _len(block)
     except _MemoryError:
         return 0
+
+
+def _plug_heap_holes(probe=1 << 20):
+    """Fill every free chunk of the C heap, so that a run allocates only from the top.
+
+    This CPython has no small-object allocator of its own (WITH_PYMALLOC is off on WASI):
+    every object is a chunk of the C allocator, and building leaves that heap's free chunks
+    scattered over ~20 MiB of the snapshot. A run took its chunks from those free lists
+    (and unlinking one writes to its neighbour in the list, elsewhere again), so a run
+    wrote pages the priming job had not: ~2.5 page faults in every paced run, each a
+    copy of a snapshot page or a write-protect fault after the slot's reset. Filled, a
+    run's chunks come from the top of the heap or from chunks its own instance freed, and
+    the priming job, which runs the same steps first, has already written those pages.
+    The filling objects live for the life of the snapshot and no run touches them.
+
+    The top of the heap starts where a ``probe``-sized block lands, as no free chunk is
+    that large (should one be, it takes the probe, and the chunks above it stay free: a
+    fault or two per run again, never a wrong result); taking it grows the memory ~0.5 MiB,
+    which runs then allocate from without growing it. Each size of bytes object, from
+    the probe's down by quarters, then by 4 bytes below 256, then the smallest object
+    there is, is taken until one comes from the top: then no free chunk of that size or
+    more is left. Returns the filling objects, in lists of 4,096 (one growing list would
+    leave its old arrays free behind it).
+    """
+    block = _bytes(probe)
+    top = _id(block)
+    held = [[]]
+    header = sys.getsizeof(b"")
+    sizes = []
+    size = probe
+    while size > 256:
+        sizes.append(size)
+        size = size * 3 // 4
+    sizes += range(256, header + 1, -4)
+    for size in [*sizes, 0]:
+        del block  # back to the top of the heap
+        while True:
+            # Size 0 stands for the smallest object there is: a bare object, 8 bytes.
+            block = _bytes(size - header) if size else object()
+            if _id(block) >= top:
+                break
+            if _len(held[-1]) == 4096:
+                held.append([])
+            held[-1].append(block)
+    return held
 
 
 # -- build time: warm-up and freeze -------------------------------------------------------------
@@ -396,6 +449,10 @@ def _warm_up():
     gc.set_threshold(*threshold)
 
 
+# Every global the runner's code loads exists before the warm-up specialises that code: a
+# key added later gives the module's dict new keys, whose version (which a specialised
+# global load checks) the first run then writes, on a page the priming had only read.
+_STREAMS = _HEAP_PLUGS = None
 _warm_up()
 # Every run starts from this state, so what every run would otherwise build first is built
 # here, once: the output streams and the default seed's generator state.
@@ -405,4 +462,8 @@ random.seed(_SNAPSHOT_SEED)
 # garbage collector from walking (and so page-faulting in) the whole snapshot heap during a
 # run: a run's collections see only the objects that run made.
 gc.collect()
+gc.freeze()
+
+
+_HEAP_PLUGS = _plug_heap_holes()
 gc.freeze()
