@@ -276,7 +276,10 @@ def _execute(request, streams):
     The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
     where msgpack's pure-Python decoder cost more fuel than a small program does.
     """
-    if request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
+    if request.startswith("\x01"):  # a plain run, flat
+        job = _flat_run(request)
+        records = ""
+    elif request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
         job = marshal.loads(request.encode("latin-1")[1:])
         records = ""
     else:  # a batch: its map in base64, then a NUL and its records
@@ -303,6 +306,18 @@ def _execute(request, streams):
         # other sizes reach a little further, and took a page fault there.
         _bytes(_PRIMED_TOP_BYTES)
     return reply
+
+
+def _flat_run(request):
+    """The job of a plain run's flat request: its seed, code and compiled code, sliced out."""
+    seed_end = request.index("\x00", 1)
+    code_start = request.index("\x00", seed_end + 1) + 1
+    code_end = code_start + int(request[seed_end + 1:code_start - 1])
+    job = {"op": "run", "code": request[code_start:code_end],
+           "seed": int(request[1:seed_end]) if seed_end > 1 else None}
+    if code_end < _len(request):
+        job["compiled"] = request[code_end:].encode("latin-1")
+    return job
 
 
 #: How much of the heap's top the priming job writes past its own chunks (see ``_execute``).
@@ -432,6 +447,9 @@ def _warm_up():
         batches.append(dict(batch, compiled=wasibox_job.compile_only(batch["code"])))
     for _ in range(8):
         for job in jobs:
+            if job["op"] == "run":  # the flat form a plain run is sent in (see _flat_run)
+                _execute(f"\x01{job['seed']}\x00{len(job['code'])}\x00{job['code']}"
+                         + job.get("compiled", b"").decode("latin-1"), scratch)
             _execute("\x00" + marshal.dumps(job, 4).decode("latin-1"), scratch)
         for batch in batches:
             fields = {key: value for key, value in batch.items() if key != "records"}
