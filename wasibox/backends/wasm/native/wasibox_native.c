@@ -958,18 +958,45 @@ static bool plain_reply(const char *text, size_t size, uint64_t *exit_code, bool
            && literal(&at, end, "}") && at == end;
 }
 
-/* call_plain(func, context, request, run, store) -> call's (reply, error message, exit)
- * followed by run.outcome()'s seven fields, the fuel left, and the plain reply read as
- * (exit_code, memory_error, heap_top), or None when the reply is not plain (or absent). */
+/* The size of the calling thread's native stack, measured once per thread (0 if unknown),
+ * as wasibox/backends/wasm/stack.py's thread_stack_bytes measures it. */
+static size_t thread_stack_bytes(void) {
+    static _Thread_local bool measured = false;
+    static _Thread_local size_t size = 0;
+    if (!measured) {
+        pthread_attr_t attr;
+        if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+            if (pthread_attr_getstacksize(&attr, &size) != 0) size = 0;
+            pthread_attr_destroy(&attr);
+        }
+        measured = true;
+    }
+    return size;
+}
+
+/* call_plain(func, context, request, run, store, min_stack) -> call's (reply, error
+ * message, exit) followed by run.outcome()'s seven fields, the fuel left, and the plain
+ * reply read as (exit_code, memory_error, heap_top), or None when the reply is not plain (or
+ * absent). None instead of all that, with the guest not entered, when the calling thread's
+ * stack is smaller than min_stack bytes (or unknown): the caller then calls again on a
+ * thread with a large enough one (stack.py's call_with_stack, whose check this is, without
+ * its Python steps on every run). */
 static PyObject *native_call_plain(PyObject *module, PyObject *args) {
     PyObject *answer = NULL, *outcome = NULL, *plain = NULL, *result = NULL;
     Run *run;
-    if (PyTuple_GET_SIZE(args) != 5 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
-        PyErr_SetString(PyExc_TypeError, "call_plain(func, context, request, run, store)");
+    if (PyTuple_GET_SIZE(args) != 6 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "call_plain(func, context, request, run, store, min_stack)");
         return NULL;
     }
+    size_t min_stack = PyLong_AsSize_t(PyTuple_GET_ITEM(args, 5));
+    if (min_stack == (size_t)-1 && PyErr_Occurred()) return NULL;
+    if (thread_stack_bytes() < min_stack) Py_RETURN_NONE;
     run = (Run *)PyTuple_GET_ITEM(args, 3);
-    answer = native_call(module, args);
+    PyObject *call_args = PyTuple_GetSlice(args, 0, 5);
+    if (call_args == NULL) return NULL;
+    answer = native_call(module, call_args);
+    Py_DECREF(call_args);
     if (answer == NULL) return NULL;
     outcome = Run_outcome(run, NULL);
     if (outcome == NULL) goto done;
@@ -1080,7 +1107,8 @@ static PyMethodDef module_methods[] = {
     {"call", native_call, METH_VARARGS,
      "call(func, context, request, run): the guest's execute, with the GIL released."},
     {"call_plain", native_call_plain, METH_VARARGS,
-     "call_plain(func, context, request, run, store): a plain run's call and outcome."},
+     "call_plain(func, context, request, run, store, min_stack): a plain run's call and "
+     "outcome, or None if this thread's stack is too small."},
     {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
     {"define", native_define, METH_VARARGS,
      "define(linker, wasi_version): the C host functions, on a component linker."},
