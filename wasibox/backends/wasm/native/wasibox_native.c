@@ -913,11 +913,15 @@ static void Ticker_dealloc(Ticker *ticker) {
 
 static PyObject *Ticker_enter(Ticker *ticker, PyObject *unused) {
     int failed = 0;
-    pthread_mutex_lock(&ticker->lock);
-    if (ticker->owner != getpid()) { /* a forked child: its parent's thread is not here */
+    if (ticker->owner != getpid()) {
+        /* A forked child: its parent's thread is not here, and may have held the lock when
+         * the process forked (as CPython re-makes its own locks in a child). */
+        pthread_mutex_init(&ticker->lock, NULL);
+        pthread_cond_init(&ticker->ended, NULL);
         ticker->owner = getpid();
         ticker->running = false;
     }
+    pthread_mutex_lock(&ticker->lock);
     ticker->active += 1;
     if (!ticker->running) {
         pthread_t thread;
