@@ -273,8 +273,9 @@ _SNAPSHOT_SEED = 0
 def _execute(request, streams):
     """Run one job (see wasibox/_wire.py for its shape) and return the encoded reply.
 
-    The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
-    where msgpack's pure-Python decoder cost more fuel than a small program does.
+    The request is trusted (the host built it). A plain run's is flat, and sliced (see
+    ``_flat_run``); any other is marshalled: ``marshal.loads`` is C, where msgpack's
+    pure-Python decoder cost more fuel than a small program does.
     """
     if request.startswith("\x01"):  # a plain run, flat
         job = _flat_run(request)
@@ -301,10 +302,11 @@ def _execute(request, streams):
         # none of it. (Generation 1, as the run's own collection was: a full one would
         # also empty the free lists the run allocates from.)
         gc.collect(1)
-        # Then the top of the heap, which a run allocates from (see _plug_heap_holes), is
-        # written a little past where the priming job's chunks reached: a run's chunks of
-        # other sizes reach a little further, and took a page fault there.
-        _bytes(_PRIMED_TOP_BYTES)
+        # Then every free chunk (the priming job's, which it may have written only in
+        # part) and 64 KiB of the heap's top are written, zeroed as the filling does at
+        # build time (see _plug_heap_holes), and freed again: a run's chunks, of other
+        # sizes than the priming job's, came from there and faulted once per run.
+        _plug_heap_holes(_PRIMED_TOP_BYTES)
     return reply
 
 
@@ -320,7 +322,7 @@ def _flat_run(request):
     return job
 
 
-#: How much of the heap's top the priming job writes past its own chunks (see ``_execute``).
+#: How much of the heap's top the priming job writes (see ``_execute``).
 _PRIMED_TOP_BYTES = 64 * 1024
 
 
@@ -384,7 +386,7 @@ def _plug_heap_holes(probe=1 << 20):
 
     The top of the heap starts where a ``probe``-sized block lands, as no free chunk is
     that large (should one be, it takes the probe, and the chunks above it stay free: a
-    fault or two per run again, never a wrong result); taking it grows the memory ~0.5 MiB,
+    fault or two per run again, never a wrong result); taking it grows the memory ~0.7 MiB,
     which runs then allocate from without growing it. Each size of bytes object, from
     the probe's down by quarters, then by 4 bytes below 256, then the smallest object
     there is, is taken until one comes from the top: then no free chunk of that size or
