@@ -386,7 +386,7 @@ def _plug_heap_holes(probe=1 << 20):
 
     The top of the heap starts where a ``probe``-sized block lands, as no free chunk is
     that large (should one be, it takes the probe, and the chunks above it stay free: a
-    fault or two per run again, never a wrong result); taking it grows the memory ~0.7 MiB,
+    fault or two per run again, never a wrong result); taking it grows the memory ~0.6 MiB,
     which runs then allocate from without growing it. Each size of bytes object, from
     the probe's down by quarters, then by 4 bytes below 256, then the smallest object
     there is, is taken until one comes from the top: then no free chunk of that size or
