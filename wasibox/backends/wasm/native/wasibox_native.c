@@ -1127,30 +1127,54 @@ static int marshal_column(PyObject **values, Py_ssize_t count, Py_ssize_t stride
     return 0;
 }
 
-/* Give each str of ``texts`` (a dict's keys, or a tuple's items) not yet in ``shared`` the
- * next index; 0, or -1 with an error. */
-static int share_texts(PyObject *texts, PyObject *shared, PyObject *order) {
-    PyObject *text = NULL;
-    Py_ssize_t position = 0, index = 0;
-    bool is_dict = PyDict_CheckExact(texts);
-    while (is_dict ? PyDict_Next(texts, &position, &text, NULL)
-                   : (index < PyTuple_GET_SIZE(texts)
-                      && (text = PyTuple_GET_ITEM(texts, index++)) != NULL)) {
-        int found = PyDict_Contains(shared, text);
-        if (found < 0) return -1;
-        if (found) continue;
-        PyObject *number = PyLong_FromSsize_t(PyList_GET_SIZE(order));
-        if (number == NULL) return -1;
-        int failed = PyDict_SetItem(shared, text, number) < 0 || PyList_Append(order, text) < 0;
-        Py_DECREF(number);
-        if (failed) return -1;
-    }
-    return 0;
+/* Give ``text`` the next index in ``shared`` (and ``order``) unless it has one: _share's
+ * step; 0, or -1 with an error. */
+static int share_text(PyObject *text, PyObject *shared, PyObject *order) {
+    int found = PyDict_Contains(shared, text);
+    if (found) return found < 0 ? -1 : 0;
+    PyObject *number = PyLong_FromSsize_t(PyList_GET_SIZE(order));
+    if (number == NULL) return -1;
+    int failed = PyDict_SetItem(shared, text, number) < 0 || PyList_Append(order, text) < 0;
+    Py_DECREF(number);
+    return failed ? -1 : 0;
 }
 
 static int32_t shared_index(PyObject *shared, PyObject *text, Py_ssize_t first) {
     PyObject *number = PyDict_GetItemWithError(shared, text);  /* present: shared above */
     return number == NULL ? -1 : (int32_t)(first + PyLong_AsSsize_t(number));
+}
+
+/* ``key``'s index in ``distinct`` (dict.fromkeys order), added as the next if absent; -1 with
+ * an error. */
+static Py_ssize_t distinct_index(PyObject *distinct, PyObject *key) {
+    PyObject *number = PyDict_GetItemWithError(distinct, key);
+    if (number != NULL) return PyLong_AsSsize_t(number);
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t index = PyDict_GET_SIZE(distinct);
+    number = PyLong_FromSsize_t(index);
+    if (number == NULL) return -1;
+    int failed = PyDict_SetItem(distinct, key, number);
+    Py_DECREF(number);
+    return failed ? -1 : index;
+}
+
+/* A list of strs as a hashable key of equal lists: its strs' indices among the column's
+ * strs, as bytes (not a tuple: bytes are not tracked by the collector, which 100,000 tuples
+ * a batch kept busy). New reference, or NULL with an error. */
+static PyObject *list_key(PyObject *list, PyObject *texts) {
+    Py_ssize_t length = PyList_GET_SIZE(list);
+    PyObject *key = PyBytes_FromStringAndSize(NULL, 4 * length);
+    if (key == NULL) return NULL;
+    char *at = PyBytes_AS_STRING(key);
+    for (Py_ssize_t j = 0; j < length; j++) {
+        Py_ssize_t index = distinct_index(texts, PyList_GET_ITEM(list, j));
+        if (index < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        put_count(&at, (uint32_t)index);
+    }
+    return key;
 }
 
 /* Decide one column's encoding as _column_encoding does; 1 done, -1 an error. */
@@ -1183,86 +1207,94 @@ static int keyed_column(PyObject **values, Py_ssize_t count, Py_ssize_t stride,
         PyErr_NoMemory();
         return -1;
     }
-    if (all_list) {
-        for (Py_ssize_t i = 0; all_list && i < count; i++) {
-            PyObject *list = values[i * stride];
-            for (Py_ssize_t j = 0; all_list && j < PyList_GET_SIZE(list); j++)
-                all_list = PyUnicode_CheckExact(PyList_GET_ITEM(list, j));
-        }
+    for (Py_ssize_t i = 0; all_list && i < count; i++) {
+        PyObject *list = values[i * stride];
+        for (Py_ssize_t j = 0; all_list && j < PyList_GET_SIZE(list); j++)
+            all_list = PyUnicode_CheckExact(PyList_GET_ITEM(list, j));
     }
     if (all_str || all_list) {
-        /* dict.fromkeys(column) (of tuples for lists): the distinct values, in order. */
-        PyObject *distinct = PyDict_New();
-        if (distinct == NULL) return -1;
-        PyObject **keys = all_list ? PyMem_Calloc((size_t)count, sizeof(PyObject *)) : NULL;
-        int status = (all_list && keys == NULL) ? (PyErr_NoMemory(), -1) : 0;
-        for (Py_ssize_t i = 0; status == 0 && i < count; i++) {
-            PyObject *key = values[i * stride];
-            if (all_list) {
-                key = keys[i] = PyList_AsTuple(key);
-                if (key == NULL) status = -1;
-            }
-            if (status == 0 && PyDict_SetDefault(distinct, key, Py_None) == NULL) status = -1;
+        /* dict.fromkeys(column) as _column_encoding makes it (of lists' keys for lists):
+         * each record's distinct index, and each distinct value's first record. */
+        PyObject *distinct = PyDict_New(), *texts = all_list ? PyDict_New() : NULL;
+        Py_ssize_t *indices = PyMem_Malloc((size_t)count * sizeof(Py_ssize_t));
+        Py_ssize_t *firsts = PyMem_Malloc((size_t)count * sizeof(Py_ssize_t));
+        PyObject **encoded = NULL;
+        Py_ssize_t *to_shared = NULL, size = 0;
+        int status = 0, sharing = 0;
+        if (distinct == NULL || (all_list && texts == NULL)) status = -1;
+        else if (indices == NULL || firsts == NULL) status = (PyErr_NoMemory(), -1);
+        /* More distinct values than half the records, and they will never be shared: the
+         * rest need not be counted (a column of unique strs stops at half of it). */
+        for (Py_ssize_t i = 0; status == 0 && size * 2 <= count && i < count; i++) {
+            PyObject *key = all_list ? list_key(values[i * stride], texts)
+                                     : Py_NewRef(values[i * stride]);
+            indices[i] = key == NULL ? -1 : distinct_index(distinct, key);
+            Py_XDECREF(key);
+            if (indices[i] < 0) status = -1;
+            else if (indices[i] == size) firsts[size++] = i;
         }
-        if (status == 0 && PyDict_GET_SIZE(distinct) * 2 <= count) {
+        sharing = status == 0 && size * 2 <= count;
+        if (sharing) {
+            to_shared = PyMem_Malloc((size_t)size * sizeof(Py_ssize_t) + 1);
+            encoded = PyMem_Calloc((size_t)size + 1, sizeof(PyObject *));
+            if (to_shared == NULL || encoded == NULL) status = (PyErr_NoMemory(), -1);
+        }
+        /* Share the distinct strs (of the distinct lists) in order of first use, as _share. */
+        for (Py_ssize_t d = 0; sharing && status == 0 && d < size; d++) {
+            PyObject *value = values[firsts[d] * stride];
             if (all_str) {
-                status = share_texts(distinct, shared, order);
-                column->kind = KEYED_REF;
-                column->refs = status ? NULL : PyMem_Malloc((size_t)count * sizeof(int32_t));
-                if (status == 0 && column->refs == NULL) status = (PyErr_NoMemory(), -1);
-                for (Py_ssize_t i = 0; status == 0 && i < count; i++) {
-                    column->refs[i] = shared_index(shared, values[i * stride], first_shared);
-                    if (column->refs[i] < 0) status = -1;
-                }
-            } else {
-                PyObject *text, *encoded;
-                Py_ssize_t position = 0;
-                while (status == 0 && PyDict_Next(distinct, &position, &text, NULL))
-                    status = share_texts(text, shared, order);
-                /* Each distinct list once: '[', its length, its strs' references. */
-                position = 0;
-                while (status == 0 && PyDict_Next(distinct, &position, &text, NULL)) {
-                    Py_ssize_t length = PyTuple_GET_SIZE(text);
-                    encoded = PyBytes_FromStringAndSize(NULL, 5 + 5 * length);
-                    if (encoded == NULL) {
-                        status = -1;
-                        break;
-                    }
-                    char *at = PyBytes_AS_STRING(encoded);
-                    *at++ = '[';
-                    put_count(&at, (uint32_t)length);
-                    for (Py_ssize_t j = 0; status == 0 && j < length; j++) {
-                        int32_t index = shared_index(shared, PyTuple_GET_ITEM(text, j),
-                                                     first_shared);
-                        if (index < 0) status = -1;
-                        *at++ = 'r';
-                        put_count(&at, (uint32_t)index);
-                    }
-                    if (status == 0) status = PyDict_SetItem(distinct, text, encoded);
-                    Py_DECREF(encoded);
-                }
-                for (Py_ssize_t i = 0; status == 0 && i < count; i++) {
-                    column->pieces[i] = PyDict_GetItemWithError(distinct, keys[i]);
-                    if (column->pieces[i] == NULL) status = -1;
-                    else Py_INCREF(column->pieces[i]);
-                }
+                status = share_text(value, shared, order);
+                to_shared[d] = status ? -1 : shared_index(shared, value, first_shared);
+                if (to_shared[d] < 0) status = -1;
+                continue;
             }
-            if (keys != NULL)
-                for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(keys[i]);
-            PyMem_Free(keys);
-            Py_DECREF(distinct);
-            if (status < 0) return -1;
+            /* Each distinct list once: '[', its length, its strs' references. */
+            Py_ssize_t length = PyList_GET_SIZE(value);
+            for (Py_ssize_t j = 0; status == 0 && j < length; j++)
+                status = share_text(PyList_GET_ITEM(value, j), shared, order);
+            encoded[d] = status ? NULL : PyBytes_FromStringAndSize(NULL, 5 + 5 * length);
+            if (encoded[d] == NULL) {
+                status = -1;
+                break;
+            }
+            char *at = PyBytes_AS_STRING(encoded[d]);
+            *at++ = '[';
+            put_count(&at, (uint32_t)length);
+            for (Py_ssize_t j = 0; status == 0 && j < length; j++) {
+                int32_t index = shared_index(shared, PyList_GET_ITEM(value, j), first_shared);
+                if (index < 0) status = -1;
+                *at++ = 'r';
+                put_count(&at, (uint32_t)index);
+            }
+        }
+        if (sharing && status == 0) {
+            if (all_str) {
+                column->kind = KEYED_REF;
+                column->refs = PyMem_Malloc((size_t)count * sizeof(int32_t));
+                if (column->refs == NULL) status = (PyErr_NoMemory(), -1);
+                for (Py_ssize_t i = 0; status == 0 && i < count; i++)
+                    column->refs[i] = (int32_t)to_shared[indices[i]];
+            } else {
+                for (Py_ssize_t i = 0; i < count; i++)
+                    column->pieces[i] = Py_NewRef(encoded[indices[i]]);
+            }
+        }
+        if (encoded != NULL)
+            for (Py_ssize_t d = 0; d < size; d++) Py_XDECREF(encoded[d]);
+        PyMem_Free(encoded);
+        PyMem_Free(to_shared);
+        PyMem_Free(indices);
+        PyMem_Free(firsts);
+        Py_XDECREF(distinct);
+        Py_XDECREF(texts);
+        if (status < 0) return -1;
+        if (sharing) {
             if (column->kind == KEYED_REF) {
                 PyMem_Free(column->pieces);
                 column->pieces = NULL;
             }
             return 1;
         }
-        if (keys != NULL)
-            for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(keys[i]);
-        PyMem_Free(keys);
-        Py_DECREF(distinct);
-        if (status < 0) return -1;
     }
     return marshal_column(values, count, stride, column->pieces) < 0 ? -1 : 1;
 }
