@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import marshal
 import struct
@@ -268,6 +269,30 @@ def test_the_native_encoder_encodes_batches_of_every_shape() -> None:
         assert encode_keyed(other) is None  # the Python encoder decides these
     assert encode_keyed([{"a": object()}, {"a": object()}]) is None
     assert encode_records([{"a": 1}, {"a": 2}]) == _batch._keyed([{"a": 1}, {"a": 2}])
+
+
+def test_the_native_encoder_holds_what_it_read_when_a_finalizer_changes_the_records() -> None:
+    encode_keyed = _native_encoder()
+    records = [{"tags": ["new", "vip"][: i % 3], "name": f"n{i}" * 50} for i in range(50)]
+    expected = copy.deepcopy(records)
+
+    class Cycle:
+        def __del__(self) -> None:
+            for record in records:
+                record.clear()  # frees every value the encoder read, were they not held
+            self.junk = [f"x{i}" * 60 for i in range(2000)]  # and reuses their memory
+
+    cycle = Cycle()
+    cycle.self = cycle  # type: ignore[attr-defined]
+    del cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # the encoder's first dict starts a collection, and the finalizer
+    try:
+        payload = encode_keyed(records)
+    finally:
+        gc.set_threshold(*threshold)
+    assert records == [{}] * 50
+    assert marshal.loads(payload)[-1] == expected
 
 
 def test_repeating_strs_are_written_once_and_shared() -> None:

@@ -1083,9 +1083,10 @@ static PyObject *native_define(PyObject *module, PyObject *args) {
  * encode_keyed(records) -> bytes | None: the bytes wasibox._batch._keyed gives for the same
  * records, byte for byte, or None where this encoder does not decide (records that are not
  * exact dicts with the same exact-str keys in the same order, or whatever the Python encoder
- * would refuse): the caller then runs the Python encoder, which decides alike. Nothing here
- * runs Python code (exact strs, ints, floats, tuples of strs and marshal only), so the
- * records cannot change while they are read.
+ * would refuse): the caller then runs the Python encoder, which decides alike. The values
+ * are hashed and compared only as exact strs and bytes, which runs no Python code; only a
+ * collection that an allocation starts could (a finalizer), so the keys and values are held
+ * once read.
  */
 
 enum { KEYED_INT, KEYED_FLOAT, KEYED_SINGLETON, KEYED_REF, KEYED_PIECES };
@@ -1344,6 +1345,7 @@ static PyObject *native_encode_keyed(PyObject *module, PyObject *records) {
     PyObject *first = PyList_GET_ITEM(records, 0);
     Py_ssize_t width = PyDict_GET_SIZE(first);
     PyObject *result = NULL, *shared = NULL, *order = NULL;
+    bool held = false;
     PyObject **keys = PyMem_Calloc((size_t)width + 1, sizeof(PyObject *));
     PyObject **values = PyMem_Calloc((size_t)(count * width) + 1, sizeof(PyObject *));
     KeyedColumn *columns = PyMem_Calloc((size_t)width + 1, sizeof(KeyedColumn));
@@ -1351,8 +1353,7 @@ static PyObject *native_encode_keyed(PyObject *module, PyObject *records) {
         PyErr_NoMemory();
         goto done;
     }
-    /* Every record has the first one's keys, exact strs, in the same order (borrowed: the
-     * records are not changed while this runs, and hold them). */
+    /* Every record has the first one's keys, exact strs, in the same order. */
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *record = PyList_GET_ITEM(records, i), *key, *value;
         Py_ssize_t position = 0, index = 0;
@@ -1365,6 +1366,11 @@ static PyObject *native_encode_keyed(PyObject *module, PyObject *records) {
             values[i * width + index++] = value;
         }
     }
+    /* Held from here on: an allocation below may run the collector, and a finalizer it
+     * runs may change the records; the bytes are then those of the values read above. */
+    for (Py_ssize_t v = 0; v < count * width; v++) Py_INCREF(values[v]);
+    for (Py_ssize_t k = 0; k < width; k++) Py_INCREF(keys[k]);
+    held = true;
     shared = PyDict_New();
     order = PyList_New(0);
     if (shared == NULL || order == NULL) goto done;
@@ -1471,6 +1477,10 @@ done:
         }
     }
     PyMem_Free(columns);
+    if (held) {
+        for (Py_ssize_t v = 0; v < count * width; v++) Py_DECREF(values[v]);
+        for (Py_ssize_t k = 0; k < width; k++) Py_DECREF(keys[k]);
+    }
     PyMem_Free(values);
     PyMem_Free(keys);
     Py_XDECREF(shared);
