@@ -15,7 +15,9 @@ time and minor page faults (``getrusage(RUSAGE_THREAD)``) of:
 Then the guest's work in fuel, split at ``runner.start`` (the host meters a program from
 there): the runner's work before the program (taking the request, decoding it, loading the
 program) and ``fuel_used`` (the program and the runner's work after it), and the call's wall
-time per unit of fuel next to a hot loop's. Nothing is asserted; medians are printed.
+time per unit of fuel next to a hot loop's; last, the process's CPU per second while the epoch
+ticker ticks (the extension's C thread, and the Python one). Nothing is asserted; medians are
+printed.
 
     python bench/warm_run.py [--runs 300] [--gap-ms 20]
 """
@@ -36,8 +38,10 @@ from wasmtime import _ffi as ffi
 import wasibox
 from wasibox.backends.wasm import backend as wasm_backend
 from wasibox.backends.wasm import host
+from wasibox.backends.wasm.engine import Ticker
 from wasibox.backends.wasm.run import Run
 from wasibox.backends.wasm.runtime import WasmRuntime
+from wasibox.backends.wasm.runtime import runtime as wasm_runtime
 
 CODE = "print(1+1)"
 LOOP = "x = 0\nfor i in range(3000):\n    x += i\nprint(1+1)"
@@ -142,6 +146,24 @@ def call_rate(runs: int, gap_s: float) -> None:
           f"{(loop_s - small_s) * 1e9 / (loop_fuel - small_fuel):.2f} ns per unit")
 
 
+def ticker_cost(seconds: float = 3.0) -> None:
+    """The process's CPU per second while the epoch ticker ticks and nothing else runs: the
+    runtime's (the extension's C thread where it loads) and the Python one, on one engine."""
+    rt = wasm_runtime()
+    kinds = {"the runtime's": rt.ticker, "Python (engine.Ticker)": Ticker(rt.engine)}
+    for name, ticker in kinds.items():
+        with ticker:
+            time.sleep(0.2)
+            cpu = time.process_time()
+            time.sleep(seconds)
+            used = time.process_time() - cpu
+        kind = f"{type(ticker).__module__}.{type(ticker).__name__}"
+        print(f"  {name:<24} {kind:<40} {used / seconds * 1e3:6.2f} ms of CPU per second "
+              "of ticking")
+        while ticker.running:  # let it end, so the next one ticks alone
+            time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -154,6 +176,8 @@ def main() -> None:
     fuel_split()
     print("\n== the guest call's time per unit of fuel ==")
     call_rate(max(options.runs // 3, 50), gap_s)
+    print("\n== the epoch ticker's own cost ==")
+    ticker_cost()
 
 
 if __name__ == "__main__":

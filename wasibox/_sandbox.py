@@ -133,7 +133,7 @@ class Sandbox:
         self._runner = Runner(self._execute, self._cancelled_result,
                               max_concurrency=max_concurrency, max_queue=max_queue)
         #: The backend's prepared plain runs (see ``_run_plain``), or None.
-        self._plain = (self._backend.plain_runs(self.limits, self.policy)
+        self._plain = (self._backend.plain_runs(self.limits, self.policy, self._package_pins())
                        if not self.python_path
                        and not (self._auto and self._wasm_lacks("", self.requires))
                        else None)
@@ -435,6 +435,8 @@ class Sandbox:
             outcome = plain(code)
         finally:
             runner.release()
+        if isinstance(outcome, RunResult):
+            return outcome
         return build_result(outcome, self._backend.name, REPLY_LIMIT_BYTES,
                             packages=self._package_pins())
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .._control import RunControl
 from .._errors import UsageError
 from .._limits import Limits
-from .._result import Outcome
+from .._result import Outcome, RunResult
 from ..capabilities.http import HttpPolicy
 
 if TYPE_CHECKING:
@@ -135,12 +135,15 @@ class Backend(abc.ABC):
         ``Limit.CANCELLED``; the guest instance is discarded either way.
         """
 
-    def plain_runs(self, limits: Limits, policy: Policy) -> Callable[[str], Outcome] | None:
+    def plain_runs(self, limits: Limits, policy: Policy, packages: tuple[str, ...]
+                   ) -> Callable[[str], RunResult | Outcome] | None:
         """Optionally, a function that runs a *plain* job, ``Job(op="run", code=code,
         limits=limits, policy=policy)`` and nothing else set, as ``execute`` would, with
-        what does not change between such jobs prepared once. A Sandbox asks once and uses
-        it for every ``run(code)`` that sets nothing else. None (the default): every run
-        goes through ``execute``.
+        what does not change between such jobs prepared once. It returns the Outcome, or
+        for the common ending the RunResult ``build_result`` would make of it (with
+        ``packages`` and this backend's name). A Sandbox asks once and uses it for every
+        ``run(code)`` that sets nothing else. None (the default): every run goes through
+        ``execute``.
         """
         return None
 

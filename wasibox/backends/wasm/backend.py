@@ -21,7 +21,7 @@ from wasmtime import _ffi as ffi
 from ..._control import RunControl, RunState
 from ..._errors import GuestBuildError, UsageError
 from ..._limits import Limit, Limits
-from ..._result import GuestException, Outcome
+from ..._result import GuestException, Outcome, RunResult, plain_result
 from ..._wire import encode_request
 from ...capabilities.files.session import FileSession
 from ..base import Backend, BackendSession, Job, Policy
@@ -103,15 +103,17 @@ class WasmBackend(Backend):
         rt.release(used)
         return outcome
 
-    def plain_runs(self, limits: Limits, policy: Policy) -> PlainRuns | None:
-        """The plain runs of a Sandbox with ``limits`` and ``policy``, prepared: on the
-        native path, with no mounts, host functions or HTTP granted; else None."""
+    def plain_runs(self, limits: Limits, policy: Policy,
+                   packages: tuple[str, ...]) -> PlainRuns | None:
+        """The plain runs of a Sandbox with ``limits`` and ``policy`` (and the package set
+        ``packages`` in its results), prepared: on the native path, with no mounts, host
+        functions or HTTP granted; else None."""
         rt = self._runtime
         if (self.run_path != "native" or rt.run_path != "native" or policy.mounts
                 or policy.functions or policy.http is not None
                 or limits.memory_bytes < rt.min_memory_bytes):
             return None
-        return PlainRuns(self, limits, policy)
+        return PlainRuns(self, limits, policy, packages)
 
     def open_session(self, limits: Limits, policy: Policy,
                      files: FileSession | None) -> BackendSession:
@@ -160,8 +162,10 @@ class PlainRuns:
     goes through the same ``classify`` as any run.
     """
 
-    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy) -> None:
+    def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy,
+                 packages: tuple[str, ...]) -> None:
         self._backend = backend
+        self._packages = packages
         self._runtime = backend._runtime
         native = backend._runtime.native.module
         assert native is not None  # see WasmBackend.plain_runs
@@ -173,8 +177,10 @@ class PlainRuns:
         self._requests_bytes = 0
         self._lock = threading.Lock()
 
-    def __call__(self, code: str) -> Outcome:
-        """Run ``code``; raises GuestBuildError if no instance can be made."""
+    def __call__(self, code: str) -> RunResult | Outcome:
+        """Run ``code``: its RunResult when the guest gave the plain reply (no error, no
+        value) and no fault or limit ended it, as most runs end; else the Outcome, for the
+        caller's ``build_result``. Raises GuestBuildError if no instance can be made."""
         request = self._requests.get(code)
         if request is None:
             request = self._request(code)
@@ -188,13 +194,22 @@ class PlainRuns:
         adopt = functools.partial(self._adopt, code, store, state,
                                   time.monotonic() + self._job.limits.timeout_s)
         with rt.ticker:
-            answer, run = call_with_stack(call_plain, MIN_HOST_STACK, self._native, execute,
-                                          store, request, state, adopt)
+            answer, run = call_plain(self._native, execute, store, request, state, adopt,
+                                     MIN_HOST_STACK)
         (reply, message, status, stdout, stderr, stdout_cut, stderr_cut, limit, fault, _,
          fuel_left, plain) = answer
-        if run is None and message is None:
-            limits = self._job.limits
-            outcome = Outcome(
+        limits = self._job.limits
+        result: RunResult | Outcome
+        if (run is None and message is None and limit is None and fault is None
+                and plain is not None):
+            exit_code, _, heap_top = plain  # a memory error with no error changes nothing
+            result = plain_result(
+                exit_code, heap_top, stdout, stderr, stdout_cut, stderr_cut,
+                fuel_used=limits.fuel - fuel_left, memory_floor=rt.min_memory_bytes,
+                memory_limit=limits.memory_bytes, duration_s=time.perf_counter() - started,
+                backend=self._backend.name, packages=self._packages)
+        elif run is None and message is None:
+            result = Outcome(
                 reply=reply, plain_reply=plain, stdout=stdout, stderr=stderr,
                 stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
                 limit_exceeded=None if limit is None else Limit(limit),
@@ -208,13 +223,13 @@ class PlainRuns:
             adopted.collect()
             exit_code = (None if message is None
                          else classify(adopted, store, NativeTrap(message, status)))
-            outcome = _outcome(rt, adopted, None if message is not None else reply, exit_code,
-                               time.perf_counter() - started)
+            result = _outcome(rt, adopted, None if message is not None else reply, exit_code,
+                              time.perf_counter() - started)
             run = adopted
         used: list[object] = [store, execute, run, adopt]
         del store, execute, run, adopt
         rt.release(used)
-        return outcome
+        return result
 
     def _adopt(self, code: str, store: wasmtime.Store, state: Any,
                deadline: float) -> NativeRun:

@@ -84,6 +84,10 @@ class Ticker:
     machine. Ticking on through idle moments costs one short wake-up per tick instead, off
     any run's path; after TICKER_IDLE_S with no run the thread ends, and the next run
     starts another.
+
+    This one serves where the native extension is unavailable; the extension's
+    ``Ticker`` does the same on a C thread that never takes the GIL (see
+    ``WasmRuntime.ticker``).
     """
 
     def __init__(self, engine: wasmtime.Engine) -> None:
@@ -107,6 +111,11 @@ class Ticker:
         with self._lock:
             self._active -= 1
             self._last_exit = time.monotonic()
+
+    @property
+    def running(self) -> bool:
+        """Whether a thread is ticking now."""
+        return self._thread is not None
 
     def _loop(self) -> None:
         try:

@@ -32,6 +32,7 @@ from ..._result import GuestException
 from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
 from ..base import Job
+from .stack import call_with_stack
 
 __all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "NativeTrap", "OutputSlot",
            "Run", "address_of", "adopted_run", "c_output", "call_guest", "call_plain",
@@ -424,8 +425,11 @@ def adopted_run() -> Run | None:
 
 
 def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: bytes,
-               state: Any, adopt: Callable[[], Run]) -> tuple[tuple[Any, ...], Run | None]:
-    """Call the guest's ``execute`` on this thread on the native path, for a plain run.
+               state: Any, adopt: Callable[[], Run],
+               min_stack: int) -> tuple[tuple[Any, ...], Run | None]:
+    """Call the guest's ``execute`` for a plain run on the native path: on this thread if
+    its native stack has ``min_stack`` bytes, else on a helper thread with that much (see
+    ``call_with_stack``; the check is made in C, without its Python steps on every run).
 
     ``state`` (a ``native.Run``) is the run's host state, and the store's memory cap, fuel
     and epoch deadline are set from it in the C call. No Python ``Run`` is made unless a
@@ -440,12 +444,15 @@ def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: byt
         ctypes.addressof(execute._func), address_of(store._context()), address_of(store.ptr()))
     current.adopt = adopt
     try:
-        answer: tuple[Any, ...] = native.call_plain(func, context, request, state,
-                                                    store_address)
+        answer: tuple[Any, ...] | None = native.call_plain(func, context, request, state,
+                                                           store_address, min_stack)
     finally:
         run: Run | None = getattr(current, "run", None)
         current.run = current.adopt = None
         slot.run = None
+    if answer is None:  # this thread's stack is too small for the guest: never entered
+        return call_with_stack(call_plain, min_stack, native, execute, store, request, state,
+                               adopt, 0)
     return answer, run
 
 

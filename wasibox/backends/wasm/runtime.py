@@ -28,8 +28,10 @@ from ..._wire import encode_request
 from ..base import Job, Policy
 from .compiler import compile_in
 from .engine import (
+    EPOCH_TICK_S,
     INSTANTIATION_FUEL,
     MIN_HOST_STACK,
+    TICKER_IDLE_S,
     Ticker,
     compiled_path,
     engine_config,
@@ -102,7 +104,12 @@ class WasmRuntime:
         self.linker = cm.Linker(self.engine)
         self.linker.add_wasip2()
         define_host(self.linker)
-        self.ticker = Ticker(self.engine)
+        #: Advances the engine's epoch while runs are active: the extension's (a thread that
+        #: never takes the GIL) where it loaded, else the same in Python.
+        self.ticker: Ticker | Any = (
+            Ticker(self.engine) if self.native.module is None
+            else self.native.module.Ticker(self.engine, address_of(self.engine.ptr()),
+                                           EPOCH_TICK_S, TICKER_IDLE_S))
         self._priming_request = _priming_request(self)
         _runtimes.add(self)
         self._pool: collections.deque[tuple[GuestStore, Any]] = collections.deque()

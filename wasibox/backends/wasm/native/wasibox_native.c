@@ -9,6 +9,7 @@
  * What runs here, with the GIL released for the whole guest call:
  *   wasibox:sandbox/{runner,stdio,clock,process,entropy}, wasi:clocks/{monotonic,wall}-clock
  *   and wasi:random/random, plus the epoch-deadline callback (timeout and cancellation).
+ * And the epoch ticker (Ticker), a thread that never takes the GIL.
  * Everything else (files, host functions, mediated HTTP) stays in Python, defined on the same
  * linker by wasibox/backends/wasm/host.py; ctypes takes the GIL when Wasmtime calls those.
  *
@@ -31,6 +32,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ---- the subset of Wasmtime's C API used here (Wasmtime 50) ------------------------------ */
 
@@ -98,6 +100,8 @@ typedef wasmtime_error_t *(*wasmtime_component_func_callback_t)(
 typedef uint8_t wasmtime_update_deadline_kind_t;
 #define WASMTIME_UPDATE_DEADLINE_CONTINUE 0
 
+typedef struct wasm_engine_t wasm_engine_t;
+extern void wasmtime_engine_increment_epoch(wasm_engine_t *engine);
 extern void wasm_byte_vec_new(wasm_byte_vec_t *out, size_t size, const char *data);
 extern void wasm_byte_vec_new_uninitialized(wasm_byte_vec_t *out, size_t size);
 extern void wasm_byte_vec_delete(wasm_byte_vec_t *vec);
@@ -819,6 +823,167 @@ static PyTypeObject RunType = {
     .tp_members = Run_members,
 };
 
+/* ---- the epoch ticker -------------------------------------------------------------------- */
+
+/* Ticker(engine, engine_address, tick_s, idle_s): advances the engine's epoch every tick_s
+ * while runs are active (between __enter__ and __exit__) and for idle_s after the last one
+ * ended, on a thread of its own that never takes the GIL; the next run after that starts
+ * another. wasibox/backends/wasm/engine.py's Ticker does the same in Python (the Python run
+ * path's): its thread took the GIL at every tick, which a paced run found held, or its
+ * caches cold, ~10% of the time of a warm run on a 2-core machine.
+ *
+ * The engine (the wasmtime-py object) is held until the ticker is gone, and the epoch is
+ * advanced with the ticker's lock held, so that freeing the ticker (which stops the thread
+ * first) can never free the engine under a tick. */
+static void *address(PyObject *value);
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *engine;
+    wasm_engine_t *pointer;
+    uint64_t tick_ns, idle_ns;
+    pthread_mutex_t lock;
+    pthread_cond_t ended;
+    long active;
+    uint64_t last_exit_ns;
+    bool running, closing;
+    pid_t owner; /* the process whose thread `running` means: none runs in a forked child */
+} Ticker;
+
+static void *ticker_loop(void *argument) {
+    Ticker *ticker = argument;
+    struct timespec tick = {(time_t)(ticker->tick_ns / 1000000000u),
+                            (long)(ticker->tick_ns % 1000000000u)};
+    for (;;) {
+        nanosleep(&tick, NULL);
+        pthread_mutex_lock(&ticker->lock);
+        bool stop = ticker->closing;
+        if (!stop) {
+            wasmtime_engine_increment_epoch(ticker->pointer);
+            stop = ticker->active == 0
+                   && now_ns(CLOCK_MONOTONIC) - ticker->last_exit_ns > ticker->idle_ns;
+        }
+        if (stop) {
+            ticker->running = false;
+            pthread_cond_broadcast(&ticker->ended);
+            pthread_mutex_unlock(&ticker->lock);
+            return NULL;
+        }
+        pthread_mutex_unlock(&ticker->lock);
+    }
+}
+
+static PyObject *Ticker_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *engine, *engine_address;
+    double tick_s, idle_s;
+    static char *names[] = {"engine", "engine_address", "tick_s", "idle_s", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOdd", names, &engine, &engine_address,
+                                     &tick_s, &idle_s))
+        return NULL;
+    if (!(tick_s > 0 && tick_s < 60 && idle_s >= 0 && idle_s < 3600)) {
+        PyErr_SetString(PyExc_ValueError, "tick_s must be in (0, 60) and idle_s in [0, 3600)");
+        return NULL;
+    }
+    wasm_engine_t *pointer = address(engine_address);
+    if (pointer == NULL) return NULL;
+    Ticker *ticker = (Ticker *)type->tp_alloc(type, 0);
+    if (ticker == NULL) return NULL;
+    ticker->engine = Py_NewRef(engine);
+    ticker->pointer = pointer;
+    ticker->tick_ns = (uint64_t)(tick_s * 1e9);
+    ticker->idle_ns = (uint64_t)(idle_s * 1e9);
+    pthread_mutex_init(&ticker->lock, NULL);
+    pthread_cond_init(&ticker->ended, NULL);
+    ticker->owner = getpid();
+    return (PyObject *)ticker;
+}
+
+static void Ticker_dealloc(Ticker *ticker) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&ticker->lock);
+    ticker->closing = true;
+    while (ticker->running && ticker->owner == getpid())
+        pthread_cond_wait(&ticker->ended, &ticker->lock);
+    pthread_mutex_unlock(&ticker->lock);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_destroy(&ticker->lock);
+    pthread_cond_destroy(&ticker->ended);
+    Py_XDECREF(ticker->engine);
+    Py_TYPE(ticker)->tp_free((PyObject *)ticker);
+}
+
+static PyObject *Ticker_enter(Ticker *ticker, PyObject *unused) {
+    int failed = 0;
+    if (ticker->owner != getpid()) {
+        /* A forked child: its parent's thread is not here, and may have held the lock when
+         * the process forked (as CPython re-makes its own locks in a child). */
+        pthread_mutex_init(&ticker->lock, NULL);
+        pthread_cond_init(&ticker->ended, NULL);
+        ticker->owner = getpid();
+        ticker->running = false;
+    }
+    pthread_mutex_lock(&ticker->lock);
+    ticker->active += 1;
+    if (!ticker->running) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        failed = pthread_create(&thread, &attr, ticker_loop, ticker);
+        pthread_attr_destroy(&attr);
+        if (failed == 0) {
+            ticker->running = true;
+            pthread_setname_np(thread, "wasibox-epoch");
+        } else {
+            ticker->active -= 1;
+        }
+    }
+    pthread_mutex_unlock(&ticker->lock);
+    if (failed != 0) {
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_RuntimeError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ticker_exit(Ticker *ticker, PyObject *args) {
+    pthread_mutex_lock(&ticker->lock);
+    ticker->active -= 1;
+    ticker->last_exit_ns = now_ns(CLOCK_MONOTONIC);
+    pthread_mutex_unlock(&ticker->lock);
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Ticker_running(Ticker *ticker, void *unused) {
+    pthread_mutex_lock(&ticker->lock);
+    bool running = ticker->running && ticker->owner == getpid();
+    pthread_mutex_unlock(&ticker->lock);
+    return PyBool_FromLong(running);
+}
+
+static PyMethodDef Ticker_methods[] = {
+    {"__enter__", (PyCFunction)Ticker_enter, METH_NOARGS, "Count a run in; tick if idle."},
+    {"__exit__", (PyCFunction)Ticker_exit, METH_VARARGS, "Count a run out."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ticker_getset[] = {
+    {"running", (getter)Ticker_running, NULL, "Whether a thread is ticking now.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TickerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_wasibox_native.Ticker",
+    .tp_basicsize = sizeof(Ticker),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The engine's epoch ticker, on a thread that never takes the GIL.",
+    .tp_new = Ticker_new,
+    .tp_dealloc = (destructor)Ticker_dealloc,
+    .tp_methods = Ticker_methods,
+    .tp_getset = Ticker_getset,
+};
+
 /* ---- module functions -------------------------------------------------------------------- */
 
 static void *address(PyObject *value) {
@@ -959,18 +1124,45 @@ static bool plain_reply(const char *text, size_t size, uint64_t *exit_code, bool
            && literal(&at, end, "}") && at == end;
 }
 
-/* call_plain(func, context, request, run, store) -> call's (reply, error message, exit)
- * followed by run.outcome()'s seven fields, the fuel left, and the plain reply read as
- * (exit_code, memory_error, heap_top), or None when the reply is not plain (or absent). */
+/* The size of the calling thread's native stack, measured once per thread (0 if unknown),
+ * as wasibox/backends/wasm/stack.py's thread_stack_bytes measures it. */
+static size_t thread_stack_bytes(void) {
+    static _Thread_local bool measured = false;
+    static _Thread_local size_t size = 0;
+    if (!measured) {
+        pthread_attr_t attr;
+        if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+            if (pthread_attr_getstacksize(&attr, &size) != 0) size = 0;
+            pthread_attr_destroy(&attr);
+        }
+        measured = true;
+    }
+    return size;
+}
+
+/* call_plain(func, context, request, run, store, min_stack) -> call's (reply, error
+ * message, exit) followed by run.outcome()'s seven fields, the fuel left, and the plain
+ * reply read as (exit_code, memory_error, heap_top), or None when the reply is not plain (or
+ * absent). None instead of all that, with the guest not entered, when the calling thread's
+ * stack is smaller than min_stack bytes (or unknown): the caller then calls again on a
+ * thread with a large enough one (stack.py's call_with_stack, whose check this is, without
+ * its Python steps on every run). */
 static PyObject *native_call_plain(PyObject *module, PyObject *args) {
     PyObject *answer = NULL, *outcome = NULL, *plain = NULL, *result = NULL;
     Run *run;
-    if (PyTuple_GET_SIZE(args) != 5 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
-        PyErr_SetString(PyExc_TypeError, "call_plain(func, context, request, run, store)");
+    if (PyTuple_GET_SIZE(args) != 6 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "call_plain(func, context, request, run, store, min_stack)");
         return NULL;
     }
+    size_t min_stack = PyLong_AsSize_t(PyTuple_GET_ITEM(args, 5));
+    if (min_stack == (size_t)-1 && PyErr_Occurred()) return NULL;
+    if (thread_stack_bytes() < min_stack) Py_RETURN_NONE;
     run = (Run *)PyTuple_GET_ITEM(args, 3);
-    answer = native_call(module, args);
+    PyObject *call_args = PyTuple_GetSlice(args, 0, 5);
+    if (call_args == NULL) return NULL;
+    answer = native_call(module, call_args);
+    Py_DECREF(call_args);
     if (answer == NULL) return NULL;
     outcome = Run_outcome(run, NULL);
     if (outcome == NULL) goto done;
@@ -1498,7 +1690,8 @@ static PyMethodDef module_methods[] = {
     {"call", native_call, METH_VARARGS,
      "call(func, context, request, run): the guest's execute, with the GIL released."},
     {"call_plain", native_call_plain, METH_VARARGS,
-     "call_plain(func, context, request, run, store): a plain run's call and outcome."},
+     "call_plain(func, context, request, run, store, min_stack): a plain run's call and "
+     "outcome, or None if this thread's stack is too small."},
     {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
     {"define", native_define, METH_VARARGS,
      "define(linker, wasi_version): the C host functions, on a component linker."},
@@ -1513,10 +1706,11 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__wasibox_native(void) {
-    if (PyType_Ready(&RunType) < 0) return NULL;
+    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&TickerType) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0) {
+    if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
+        || PyModule_AddObjectRef(module, "Ticker", (PyObject *)&TickerType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
