@@ -19,6 +19,7 @@ from typing import Any, Literal
 import wasmtime
 from wasmtime import component as cm
 
+from ..._batch import use_native_encoder
 from ..._errors import GuestBuildError, UsageError
 from ..._guest import GuestArtifact, ensure_guest
 from ..._limits import Limits
@@ -93,6 +94,8 @@ class WasmRuntime:
             "native" if self.native.module is not None else "python")
         self._native_linker: cm.Linker | None = None
         if self.native.module is not None:
+            # A transform's records encode in C from now on (the same bytes as in Python).
+            use_native_encoder(self.native.module.encode_keyed)
             self._native_linker = cm.Linker(self.engine)
             self._native_linker.add_wasip2()
             define_host(self._native_linker, self.native.module)

@@ -20,6 +20,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <marshal.h>
 #include <structmember.h>
 
 #include <errno.h>
@@ -1268,6 +1269,423 @@ static PyObject *native_define(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- a batch's records, keyed (the twin of wasibox/_batch.py's _keyed) ------------------- */
+
+/*
+ * encode_keyed(records) -> bytes | None: the bytes wasibox._batch._keyed gives for the same
+ * records, byte for byte, or None where this encoder does not decide (records that are not
+ * exact dicts with the same exact-str keys in the same order, or whatever the Python encoder
+ * would refuse): the caller then runs the Python encoder, which decides alike. The values
+ * are hashed and compared only as exact strs and bytes, which runs no Python code; only a
+ * collection that an allocation starts could (a finalizer), so the keys and values are held
+ * once read.
+ */
+
+enum { KEYED_INT, KEYED_FLOAT, KEYED_SINGLETON, KEYED_REF, KEYED_PIECES };
+
+typedef struct {
+    int kind;
+    int32_t *refs;      /* KEYED_REF: each record's reference index */
+    PyObject **pieces;  /* KEYED_PIECES: each record's bytes, or NULL for an ASCII str */
+} KeyedColumn;
+
+static void put_count(char **at, uint32_t value) {
+    unsigned char *out = (unsigned char *)*at;
+    out[0] = value & 0xff;
+    out[1] = (value >> 8) & 0xff;
+    out[2] = (value >> 16) & 0xff;
+    out[3] = (value >> 24) & 0xff;
+    *at += 4;
+}
+
+/* The UTF-8 (surrogates passed) of a str: a new reference to bytes, or NULL with an error. */
+static PyObject *utf8_of(PyObject *text) {
+    return PyUnicode_AsEncodedString(text, "utf-8", "surrogatepass");
+}
+
+/* Whether ``value`` is an exact str the pieces may write straight from its ASCII data. */
+static inline bool ascii_str(PyObject *value) {
+    return PyUnicode_CheckExact(value) && PyUnicode_IS_ASCII(value);
+}
+
+/* Marshal version 2 of every value of a column (the Python encoder's fallback), each kept. */
+static int marshal_column(PyObject **values, Py_ssize_t count, Py_ssize_t stride,
+                          PyObject **pieces) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = values[i * stride];
+        if (ascii_str(value)) continue;  /* written from its data: 'u', length, bytes */
+        pieces[i] = PyMarshal_WriteObjectToString(value, 2);
+        if (pieces[i] == NULL) return -1;
+    }
+    return 0;
+}
+
+/* Give ``text`` the next index in ``shared`` (and ``order``) unless it has one: _share's
+ * step; 0, or -1 with an error. */
+static int share_text(PyObject *text, PyObject *shared, PyObject *order) {
+    int found = PyDict_Contains(shared, text);
+    if (found) return found < 0 ? -1 : 0;
+    PyObject *number = PyLong_FromSsize_t(PyList_GET_SIZE(order));
+    if (number == NULL) return -1;
+    int failed = PyDict_SetItem(shared, text, number) < 0 || PyList_Append(order, text) < 0;
+    Py_DECREF(number);
+    return failed ? -1 : 0;
+}
+
+static int32_t shared_index(PyObject *shared, PyObject *text, Py_ssize_t first) {
+    PyObject *number = PyDict_GetItemWithError(shared, text);  /* present: shared above */
+    return number == NULL ? -1 : (int32_t)(first + PyLong_AsSsize_t(number));
+}
+
+/* ``key``'s index in ``distinct`` (dict.fromkeys order), added as the next if absent; -1 with
+ * an error. */
+static Py_ssize_t distinct_index(PyObject *distinct, PyObject *key) {
+    PyObject *number = PyDict_GetItemWithError(distinct, key);
+    if (number != NULL) return PyLong_AsSsize_t(number);
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t index = PyDict_GET_SIZE(distinct);
+    number = PyLong_FromSsize_t(index);
+    if (number == NULL) return -1;
+    int failed = PyDict_SetItem(distinct, key, number);
+    Py_DECREF(number);
+    return failed ? -1 : index;
+}
+
+/* A list of strs as a hashable key of equal lists: its strs' indices among the column's
+ * strs, as bytes (not a tuple: bytes are not tracked by the collector, which 100,000 tuples
+ * a batch kept busy). New reference, or NULL with an error. */
+static PyObject *list_key(PyObject *list, PyObject *texts) {
+    Py_ssize_t length = PyList_GET_SIZE(list);
+    PyObject *key = PyBytes_FromStringAndSize(NULL, 4 * length);
+    if (key == NULL) return NULL;
+    char *at = PyBytes_AS_STRING(key);
+    for (Py_ssize_t j = 0; j < length; j++) {
+        Py_ssize_t index = distinct_index(texts, PyList_GET_ITEM(list, j));
+        if (index < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        put_count(&at, (uint32_t)index);
+    }
+    return key;
+}
+
+/* Decide one column's encoding as _column_encoding does; 1 done, -1 an error. */
+static int keyed_column(PyObject **values, Py_ssize_t count, Py_ssize_t stride,
+                        Py_ssize_t first_shared, PyObject *shared, PyObject *order,
+                        KeyedColumn *column) {
+    bool all_str = true, all_list = true, all_int32 = true, all_float = true,
+         all_singleton = true;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *value = values[i * stride];
+        all_str = all_str && PyUnicode_CheckExact(value);
+        all_list = all_list && PyList_CheckExact(value);
+        all_float = all_float && PyFloat_CheckExact(value);
+        all_singleton = all_singleton && (value == Py_None || PyBool_Check(value));
+        if (all_int32) {
+            int overflow = 0;
+            long number = PyLong_CheckExact(value) ? PyLong_AsLongAndOverflow(value, &overflow)
+                                                   : 0;
+            all_int32 = PyLong_CheckExact(value) && !overflow
+                        && number >= INT32_MIN && number <= INT32_MAX;
+        }
+    }
+    if (all_int32 || all_float || all_singleton) {
+        column->kind = all_int32 ? KEYED_INT : all_float ? KEYED_FLOAT : KEYED_SINGLETON;
+        return 1;
+    }
+    column->kind = KEYED_PIECES;
+    column->pieces = PyMem_Calloc((size_t)count, sizeof(PyObject *));
+    if (column->pieces == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; all_list && i < count; i++) {
+        PyObject *list = values[i * stride];
+        for (Py_ssize_t j = 0; all_list && j < PyList_GET_SIZE(list); j++)
+            all_list = PyUnicode_CheckExact(PyList_GET_ITEM(list, j));
+    }
+    if (all_str || all_list) {
+        /* dict.fromkeys(column) as _column_encoding makes it (of lists' keys for lists):
+         * each record's distinct index, and each distinct value's first record. */
+        PyObject *distinct = PyDict_New(), *texts = all_list ? PyDict_New() : NULL;
+        Py_ssize_t *indices = PyMem_Malloc((size_t)count * sizeof(Py_ssize_t));
+        Py_ssize_t *firsts = PyMem_Malloc((size_t)count * sizeof(Py_ssize_t));
+        PyObject **encoded = NULL;
+        Py_ssize_t *to_shared = NULL, size = 0;
+        int status = 0, sharing = 0;
+        if (distinct == NULL || (all_list && texts == NULL)) status = -1;
+        else if (indices == NULL || firsts == NULL) status = (PyErr_NoMemory(), -1);
+        /* More distinct values than half the records, and they will never be shared: the
+         * rest need not be counted (a column of unique strs stops at half of it). */
+        for (Py_ssize_t i = 0; status == 0 && size * 2 <= count && i < count; i++) {
+            PyObject *key = all_list ? list_key(values[i * stride], texts)
+                                     : Py_NewRef(values[i * stride]);
+            indices[i] = key == NULL ? -1 : distinct_index(distinct, key);
+            Py_XDECREF(key);
+            if (indices[i] < 0) status = -1;
+            else if (indices[i] == size) firsts[size++] = i;
+        }
+        sharing = status == 0 && size * 2 <= count;
+        if (sharing) {
+            to_shared = PyMem_Malloc((size_t)size * sizeof(Py_ssize_t) + 1);
+            encoded = PyMem_Calloc((size_t)size + 1, sizeof(PyObject *));
+            if (to_shared == NULL || encoded == NULL) status = (PyErr_NoMemory(), -1);
+        }
+        /* Share the distinct strs (of the distinct lists) in order of first use, as _share. */
+        for (Py_ssize_t d = 0; sharing && status == 0 && d < size; d++) {
+            PyObject *value = values[firsts[d] * stride];
+            if (all_str) {
+                status = share_text(value, shared, order);
+                to_shared[d] = status ? -1 : shared_index(shared, value, first_shared);
+                if (to_shared[d] < 0) status = -1;
+                continue;
+            }
+            /* Each distinct list once: '[', its length, its strs' references. */
+            Py_ssize_t length = PyList_GET_SIZE(value);
+            for (Py_ssize_t j = 0; status == 0 && j < length; j++)
+                status = share_text(PyList_GET_ITEM(value, j), shared, order);
+            encoded[d] = status ? NULL : PyBytes_FromStringAndSize(NULL, 5 + 5 * length);
+            if (encoded[d] == NULL) {
+                status = -1;
+                break;
+            }
+            char *at = PyBytes_AS_STRING(encoded[d]);
+            *at++ = '[';
+            put_count(&at, (uint32_t)length);
+            for (Py_ssize_t j = 0; status == 0 && j < length; j++) {
+                int32_t index = shared_index(shared, PyList_GET_ITEM(value, j), first_shared);
+                if (index < 0) status = -1;
+                *at++ = 'r';
+                put_count(&at, (uint32_t)index);
+            }
+        }
+        if (sharing && status == 0) {
+            if (all_str) {
+                column->kind = KEYED_REF;
+                column->refs = PyMem_Malloc((size_t)count * sizeof(int32_t));
+                if (column->refs == NULL) status = (PyErr_NoMemory(), -1);
+                for (Py_ssize_t i = 0; status == 0 && i < count; i++)
+                    column->refs[i] = (int32_t)to_shared[indices[i]];
+            } else {
+                for (Py_ssize_t i = 0; i < count; i++)
+                    column->pieces[i] = Py_NewRef(encoded[indices[i]]);
+            }
+        }
+        if (encoded != NULL)
+            for (Py_ssize_t d = 0; d < size; d++) Py_XDECREF(encoded[d]);
+        PyMem_Free(encoded);
+        PyMem_Free(to_shared);
+        PyMem_Free(indices);
+        PyMem_Free(firsts);
+        Py_XDECREF(distinct);
+        Py_XDECREF(texts);
+        if (status < 0) return -1;
+        if (sharing) {
+            if (column->kind == KEYED_REF) {
+                PyMem_Free(column->pieces);
+                column->pieces = NULL;
+            }
+            return 1;
+        }
+    }
+    return marshal_column(values, count, stride, column->pieces) < 0 ? -1 : 1;
+}
+
+/* The bytes of one piece of a record: its marshal, or 'u', length and data of an ASCII str. */
+static Py_ssize_t piece_size(PyObject *piece, PyObject *value) {
+    return piece != NULL ? PyBytes_GET_SIZE(piece) : 5 + PyUnicode_GET_LENGTH(value);
+}
+
+static Py_ssize_t head_text_size(PyObject *text) {
+    if (PyUnicode_IS_ASCII(text)) return 5 + PyUnicode_GET_LENGTH(text);
+    PyObject *utf8 = utf8_of(text);
+    if (utf8 == NULL) return -1;
+    Py_ssize_t size = 5 + PyBytes_GET_SIZE(utf8);
+    Py_DECREF(utf8);
+    return size;
+}
+
+static int put_head_text(char **at, PyObject *text, unsigned char code) {
+    PyObject *utf8 = NULL;
+    const char *data;
+    Py_ssize_t size;
+    if (PyUnicode_IS_ASCII(text)) {
+        data = (const char *)PyUnicode_1BYTE_DATA(text);
+        size = PyUnicode_GET_LENGTH(text);
+    } else {
+        utf8 = utf8_of(text);
+        if (utf8 == NULL) return -1;
+        data = PyBytes_AS_STRING(utf8);
+        size = PyBytes_GET_SIZE(utf8);
+    }
+    *(*at)++ = (char)code;
+    put_count(at, (uint32_t)size);
+    memcpy(*at, data, (size_t)size);
+    *at += size;
+    Py_XDECREF(utf8);
+    return 0;
+}
+
+static PyObject *native_encode_keyed(PyObject *module, PyObject *records) {
+    if (!PyList_CheckExact(records) || PyList_GET_SIZE(records) == 0
+        || PyList_GET_SIZE(records) > INT32_MAX)
+        Py_RETURN_NONE;
+    Py_ssize_t count = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!PyDict_CheckExact(PyList_GET_ITEM(records, i))) Py_RETURN_NONE;
+    PyObject *first = PyList_GET_ITEM(records, 0);
+    Py_ssize_t width = PyDict_GET_SIZE(first);
+    PyObject *result = NULL, *shared = NULL, *order = NULL;
+    bool held = false;
+    PyObject **keys = PyMem_Calloc((size_t)width + 1, sizeof(PyObject *));
+    PyObject **values = PyMem_Calloc((size_t)(count * width) + 1, sizeof(PyObject *));
+    KeyedColumn *columns = PyMem_Calloc((size_t)width + 1, sizeof(KeyedColumn));
+    if (keys == NULL || values == NULL || columns == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Every record has the first one's keys, exact strs, in the same order. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *record = PyList_GET_ITEM(records, i), *key, *value;
+        Py_ssize_t position = 0, index = 0;
+        if (PyDict_GET_SIZE(record) != width) goto undecided;
+        while (PyDict_Next(record, &position, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) goto undecided;
+            if (i == 0) keys[index] = key;
+            else if (key != keys[index] && PyUnicode_Compare(key, keys[index]) != 0)
+                goto undecided;
+            values[i * width + index++] = value;
+        }
+    }
+    /* Held from here on: an allocation below may run the collector, and a finalizer it
+     * runs may change the records; the bytes are then those of the values read above. */
+    for (Py_ssize_t v = 0; v < count * width; v++) Py_INCREF(values[v]);
+    for (Py_ssize_t k = 0; k < width; k++) Py_INCREF(keys[k]);
+    held = true;
+    shared = PyDict_New();
+    order = PyList_New(0);
+    if (shared == NULL || order == NULL) goto done;
+    for (Py_ssize_t k = 0; k < width; k++) {
+        if (keyed_column(values + k, count, width, width, shared, order, &columns[k]) < 0)
+            goto done;
+    }
+    /* The size of it all, then one bytes written in place. */
+    Py_ssize_t size = 5 + 5 + 5;  /* the outer tuple, the keys' tuple, the list */
+    Py_ssize_t shared_count = PyList_GET_SIZE(order);
+    for (Py_ssize_t k = 0; k < width; k++) {
+        Py_ssize_t text = head_text_size(keys[k]);
+        if (text < 0) goto done;
+        size += text;
+    }
+    if (shared_count) size += 5;
+    for (Py_ssize_t s = 0; s < shared_count; s++) {
+        Py_ssize_t text = head_text_size(PyList_GET_ITEM(order, s));
+        if (text < 0) goto done;
+        size += text;
+    }
+    size += count * (2 + 5 * width);  /* '{', each key's reference, '0' */
+    for (Py_ssize_t k = 0; k < width; k++) {
+        KeyedColumn *column = &columns[k];
+        switch (column->kind) {
+        case KEYED_INT: case KEYED_REF: size += 5 * count; break;
+        case KEYED_FLOAT: size += 9 * count; break;
+        case KEYED_SINGLETON: size += count; break;
+        default:
+            for (Py_ssize_t i = 0; i < count; i++)
+                size += piece_size(column->pieces[i], values[i * width + k]);
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, size);
+    if (result == NULL) goto done;
+    char *at = PyBytes_AS_STRING(result);
+    *at++ = '(';
+    put_count(&at, shared_count ? 3 : 2);
+    *at++ = '(';
+    put_count(&at, (uint32_t)width);
+    for (Py_ssize_t k = 0; k < width; k++)
+        if (put_head_text(&at, keys[k], 't' | 0x80) < 0) goto failed;
+    if (shared_count) {
+        *at++ = '(';
+        put_count(&at, (uint32_t)shared_count);
+        for (Py_ssize_t s = 0; s < shared_count; s++)
+            if (put_head_text(&at, PyList_GET_ITEM(order, s), 'u' | 0x80) < 0) goto failed;
+    }
+    *at++ = '[';
+    put_count(&at, (uint32_t)count);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        *at++ = '{';
+        for (Py_ssize_t k = 0; k < width; k++) {
+            KeyedColumn *column = &columns[k];
+            PyObject *value = values[i * width + k];
+            *at++ = 'r';
+            put_count(&at, (uint32_t)k);
+            switch (column->kind) {
+            case KEYED_INT:
+                *at++ = 'i';
+                put_count(&at, (uint32_t)(int32_t)PyLong_AsLong(value));
+                break;
+            case KEYED_FLOAT:
+                *at++ = 'g';
+                if (PyFloat_Pack8(PyFloat_AS_DOUBLE(value), at, 1) < 0) goto failed;
+                at += 8;
+                break;
+            case KEYED_SINGLETON:
+                *at++ = value == Py_None ? 'N' : value == Py_True ? 'T' : 'F';
+                break;
+            case KEYED_REF:
+                *at++ = 'r';
+                put_count(&at, (uint32_t)column->refs[i]);
+                break;
+            default:
+                if (column->pieces[i] != NULL) {
+                    memcpy(at, PyBytes_AS_STRING(column->pieces[i]),
+                           (size_t)PyBytes_GET_SIZE(column->pieces[i]));
+                    at += PyBytes_GET_SIZE(column->pieces[i]);
+                } else {
+                    *at++ = 'u';
+                    put_count(&at, (uint32_t)PyUnicode_GET_LENGTH(value));
+                    memcpy(at, PyUnicode_1BYTE_DATA(value), (size_t)PyUnicode_GET_LENGTH(value));
+                    at += PyUnicode_GET_LENGTH(value);
+                }
+            }
+        }
+        *at++ = '0';
+    }
+    assert(at == PyBytes_AS_STRING(result) + size);
+    goto done;
+failed:
+    Py_CLEAR(result);
+    goto done;
+undecided:
+    result = Py_NewRef(Py_None);
+done:
+    if (columns != NULL) {
+        for (Py_ssize_t k = 0; k < width; k++) {
+            if (columns[k].pieces != NULL)
+                for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(columns[k].pieces[i]);
+            PyMem_Free(columns[k].pieces);
+            PyMem_Free(columns[k].refs);
+        }
+    }
+    PyMem_Free(columns);
+    if (held) {
+        for (Py_ssize_t v = 0; v < count * width; v++) Py_DECREF(values[v]);
+        for (Py_ssize_t k = 0; k < width; k++) Py_DECREF(keys[k]);
+    }
+    PyMem_Free(values);
+    PyMem_Free(keys);
+    Py_XDECREF(shared);
+    Py_XDECREF(order);
+    if (result == NULL && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        /* What marshal refuses (an object it cannot write, one nested too deep), the Python
+         * encoder meets too, and raises with its own message. */
+        PyErr_Clear();
+        result = Py_NewRef(Py_None);
+    }
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"call", native_call, METH_VARARGS,
      "call(func, context, request, run): the guest's execute, with the GIL released."},
@@ -1277,6 +1695,8 @@ static PyMethodDef module_methods[] = {
     {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
     {"define", native_define, METH_VARARGS,
      "define(linker, wasi_version): the C host functions, on a component linker."},
+    {"encode_keyed", native_encode_keyed, METH_O,
+     "encode_keyed(records): wasibox._batch's keyed bytes of records, or None: undecided."},
     {NULL, NULL, 0, NULL},
 };
 
