@@ -302,6 +302,9 @@ def _execute(request, streams):
         # none of it. (Generation 1, as the run's own collection was: a full one would
         # also empty the free lists the run allocates from.)
         gc.collect(1)
+        # The priming request is a map; a plain run's is flat, and its parsing, met first
+        # in the run, faulted once per run on a page of its bytecode.
+        _flat_run("\x010\x004\x00pass")
         # Then every free chunk (the priming job's, which it may have written only in
         # part) and 64 KiB of the heap's top are written, zeroed as the filling does at
         # build time (see _plug_heap_holes), and freed again: a run's chunks, of other
