@@ -14,10 +14,11 @@ time and minor page faults (``getrusage(RUSAGE_THREAD)``) of:
 
 Then the guest's work in fuel, split at ``runner.start`` (the host meters a program from
 there): the runner's work before the program (taking the request, decoding it, loading the
-program) and ``fuel_used`` (the program and the runner's work after it), and the call's wall
-time per unit of fuel next to a hot loop's; last, the process's CPU per second while the epoch
-ticker ticks (the extension's C thread, and the Python one). Nothing is asserted; medians are
-printed.
+program) and ``fuel_used`` (the program and the runner's work after it), the call's wall
+time per unit of fuel next to a hot loop's, and, for programs that make objects, the whole
+run's CPU time and minor page faults on the calling thread; last, the process's CPU per
+second while the epoch ticker ticks (the extension's C thread, and the Python one). Nothing
+is asserted; medians are printed.
 
     python bench/warm_run.py [--runs 300] [--gap-ms 20]
 """
@@ -146,6 +147,34 @@ def call_rate(runs: int, gap_s: float) -> None:
           f"{(loop_s - small_s) * 1e9 / (loop_fuel - small_fuel):.2f} ns per unit")
 
 
+#: Programs that make objects: each new object is a chunk of the guest's C heap (this
+#: CPython has no small-object allocator on WASI), so these show where the heap hands out
+#: memory from, in page faults.
+OBJECT_PROGRAMS = [
+    "x = [i * i for i in range(1000)]\nprint(sum(x))",
+    "d = {str(i): i for i in range(300)}\nprint(len(d))",
+    "import json\nprint(json.dumps({'a': list(range(200)), 'b': 'x' * 3000}))",
+]
+
+
+def object_programs(runs: int, gap_s: float) -> None:
+    """Paced runs of ``OBJECT_PROGRAMS``: the calling thread's CPU and minor page faults."""
+    with wasibox.Sandbox() as sandbox:
+        for code in OBJECT_PROGRAMS:
+            cpu, faults, fuel = [], [], 0
+            for index in range(runs + WARMUP_RUNS):
+                time.sleep(gap_s)
+                _, cpu_before, faults_before = stamp()
+                result = sandbox.run(code)
+                _, cpu_after, faults_after = stamp()
+                fuel = result.fuel_used
+                if index >= WARMUP_RUNS:
+                    cpu.append(cpu_after - cpu_before)
+                    faults.append(faults_after - faults_before)
+            print(f"  {statistics.median(cpu) * 1e3:6.3f} ms CPU {statistics.mean(faults):6.1f} "
+                  f"faults {fuel:>11,} fuel   {code.splitlines()[0][:40]!r}")
+
+
 def ticker_cost(seconds: float = 3.0) -> None:
     """The process's CPU per second while the epoch ticker ticks and nothing else runs: the
     runtime's (the extension's C thread where it loads) and the Python one, on one engine."""
@@ -176,6 +205,8 @@ def main() -> None:
     fuel_split()
     print("\n== the guest call's time per unit of fuel ==")
     call_rate(max(options.runs // 3, 50), gap_s)
+    print("\n== programs that make objects: the whole run, CPU (median) and faults (mean) ==")
+    object_programs(max(options.runs // 3, 50), gap_s)
     print("\n== the epoch ticker's own cost ==")
     ticker_cost()
 

@@ -123,3 +123,35 @@ def test_a_guest_that_forges_its_reply_gets_a_protocol_error(
     assert not result.ok
     assert result.error is not None and result.error.type == "ProtocolError"
     assert sandbox.run("print('next')").stdout == "next\n"
+
+
+@given(code=st.text(), seed=st.one_of(st.none(), st.integers(-2**64, 2**64)),
+       compiled=st.one_of(st.none(), st.binary(min_size=1)))
+def test_a_plain_run_request_is_flat_and_carries_its_fields(
+        code: str, seed: int | None, compiled: bytes | None) -> None:
+    fields = {"op": "run", "code": code, "seed": seed,
+              **({"compiled": compiled} if compiled is not None else {})}
+    request = encode_request(fields)
+    if not request.startswith("\x01"):  # a seed past 64 bits, or a lone surrogate
+        assert (seed is not None and seed.bit_length() > 64) or any(
+            "\ud800" <= char <= "\udfff" for char in code)
+        assert request.startswith("\x00")
+        return
+    # Sliced as the guest runner slices it (guest/runner/wasibox_guest.py, _flat_run).
+    seed_end = request.index("\x00", 1)
+    code_start = request.index("\x00", seed_end + 1) + 1
+    code_end = code_start + int(request[seed_end + 1:code_start - 1])
+    assert request[code_start:code_end] == code
+    assert (int(request[1:seed_end]) if seed_end > 1 else None) == seed
+    assert (request[code_end:].encode("latin-1") or None) == compiled
+    request.encode("utf-8")  # what crosses into the guest
+
+
+@pytest.mark.parametrize("fields", [
+    {"op": "run", "code": "pass", "seed": 0, "filename": "x.py"},
+    {"op": "run", "code": "pass", "seed": 0, "prime": True},
+    {"op": "call", "code": "pass", "seed": 0, "entry": "f", "args": [], "kwargs": {}},
+    {"op": "compile", "code": "pass", "seed": 0},
+])
+def test_requests_other_than_a_plain_run_are_maps(fields: dict[str, object]) -> None:
+    assert encode_request(fields).startswith("\x00")

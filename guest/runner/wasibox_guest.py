@@ -273,10 +273,14 @@ _SNAPSHOT_SEED = 0
 def _execute(request, streams):
     """Run one job (see wasibox/_wire.py for its shape) and return the encoded reply.
 
-    The request is trusted (the host built it), so it is marshalled: ``marshal.loads`` is C,
-    where msgpack's pure-Python decoder cost more fuel than a small program does.
+    The request is trusted (the host built it). A plain run's is flat, and sliced (see
+    ``_flat_run``); any other is marshalled: ``marshal.loads`` is C, where msgpack's
+    pure-Python decoder cost more fuel than a small program does.
     """
-    if request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
+    if request.startswith("\x01"):  # a plain run, flat
+        job = _flat_run(request)
+        records = ""
+    elif request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
         job = marshal.loads(request.encode("latin-1")[1:])
         records = ""
     else:  # a batch: its map in base64, then a NUL and its records
@@ -298,7 +302,31 @@ def _execute(request, streams):
         # none of it. (Generation 1, as the run's own collection was: a full one would
         # also empty the free lists the run allocates from.)
         gc.collect(1)
+        # The priming request is a map; a plain run's is flat, and its parsing, met first
+        # in the run, faulted once per run on a page of its bytecode.
+        _flat_run("\x010\x004\x00pass")
+        # Then every free chunk (the priming job's, which it may have written only in
+        # part) and 64 KiB of the heap's top are written, zeroed as the filling does at
+        # build time (see _plug_heap_holes), and freed again: a run's chunks, of other
+        # sizes than the priming job's, came from there and faulted once per run.
+        _plug_heap_holes(_PRIMED_TOP_BYTES)
     return reply
+
+
+def _flat_run(request):
+    """The job of a plain run's flat request: its seed, code and compiled code, sliced out."""
+    seed_end = request.index("\x00", 1)
+    code_start = request.index("\x00", seed_end + 1) + 1
+    code_end = code_start + int(request[seed_end + 1:code_start - 1])
+    job = {"op": "run", "code": request[code_start:code_end],
+           "seed": int(request[1:seed_end]) if seed_end > 1 else None}
+    if code_end < _len(request):
+        job["compiled"] = request[code_end:].encode("latin-1")
+    return job
+
+
+#: How much of the heap's top the priming job writes (see ``_execute``).
+_PRIMED_TOP_BYTES = 64 * 1024
 
 
 def _finish(session):
@@ -346,6 +374,51 @@ def _heap_top():
         return 0
 
 
+def _plug_heap_holes(probe=1 << 20):
+    """Fill every free chunk of the C heap, so that a run allocates only from the top.
+
+    This CPython has no small-object allocator of its own (WITH_PYMALLOC is off on WASI):
+    every object is a chunk of the C allocator, and building leaves that heap's free chunks
+    scattered over ~20 MiB of the snapshot. A run took its chunks from those free lists
+    (and unlinking one writes to its neighbour in the list, elsewhere again), so a run
+    wrote pages the priming job had not: ~2.5 page faults in every paced run, each a
+    copy of a snapshot page or a write-protect fault after the slot's reset. Filled, a
+    run's chunks come from the top of the heap or from chunks its own instance freed, and
+    the priming job, which runs the same steps first, has already written those pages.
+    The filling objects live for the life of the snapshot and no run touches them.
+
+    The top of the heap starts where a ``probe``-sized block lands, as no free chunk is
+    that large (should one be, it takes the probe, and the chunks above it stay free: a
+    fault or two per run again, never a wrong result); taking it grows the memory ~0.6 MiB,
+    which runs then allocate from without growing it. Each size of bytes object, from
+    the probe's down by quarters, then by 4 bytes below 256, then the smallest object
+    there is, is taken until one comes from the top: then no free chunk of that size or
+    more is left. Returns the filling objects, in lists of 4,096 (one growing list would
+    leave its old arrays free behind it).
+    """
+    block = _bytes(probe)
+    top = _id(block)
+    held = [[]]
+    header = sys.getsizeof(b"")
+    sizes = []
+    size = probe
+    while size > 256:
+        sizes.append(size)
+        size = size * 3 // 4
+    sizes += range(256, header + 1, -4)
+    for size in [*sizes, 0]:
+        del block  # back to the top of the heap
+        while True:
+            # Size 0 stands for the smallest object there is: a bare object, 8 bytes.
+            block = _bytes(size - header) if size else object()
+            if _id(block) >= top:
+                break
+            if _len(held[-1]) == 4096:
+                held.append([])
+            held[-1].append(block)
+    return held
+
+
 # -- build time: warm-up and freeze -------------------------------------------------------------
 
 def _warm_up():
@@ -379,6 +452,9 @@ def _warm_up():
         batches.append(dict(batch, compiled=wasibox_job.compile_only(batch["code"])))
     for _ in range(8):
         for job in jobs:
+            if job["op"] == "run":  # the flat form a plain run is sent in (see _flat_run)
+                _execute(f"\x01{job['seed']}\x00{len(job['code'])}\x00{job['code']}"
+                         + job.get("compiled", b"").decode("latin-1"), scratch)
             _execute("\x00" + marshal.dumps(job, 4).decode("latin-1"), scratch)
         for batch in batches:
             fields = {key: value for key, value in batch.items() if key != "records"}
@@ -396,6 +472,10 @@ def _warm_up():
     gc.set_threshold(*threshold)
 
 
+# Every global the runner's code loads exists before the warm-up specialises that code: a
+# key added later gives the module's dict new keys, whose version (which a specialised
+# global load checks) the first run then writes, on a page the priming had only read.
+_STREAMS = _HEAP_PLUGS = None
 _warm_up()
 # Every run starts from this state, so what every run would otherwise build first is built
 # here, once: the output streams and the default seed's generator state.
@@ -405,4 +485,8 @@ random.seed(_SNAPSHOT_SEED)
 # garbage collector from walking (and so page-faulting in) the whole snapshot heap during a
 # run: a run's collections see only the objects that run made.
 gc.collect()
+gc.freeze()
+
+
+_HEAP_PLUGS = _plug_heap_holes()
 gc.freeze()
