@@ -424,9 +424,10 @@ class Sandbox:
         general way, which raises or queues as ``run`` documents.
         """
         plain, runner = self._plain, self._runner
+        assert plain is not None  # see run
         # A str of n characters is at most 4n bytes of UTF-8: under the cap, no need to
         # encode it to know.
-        if (plain is None or type(code) is not str or self._closed
+        if (type(code) is not str or self._closed
                 or len(code) * 4 > self.limits.source_bytes
                 or (self._auto and "import" in code and self._wasm_lacks(code))
                 or not runner.claim()):
@@ -437,8 +438,7 @@ class Sandbox:
             runner.release()
         if isinstance(outcome, RunResult):
             return outcome
-        return build_result(outcome, self._backend.name, REPLY_LIMIT_BYTES,
-                            packages=self._package_pins())
+        return self._result(outcome, self._backend.name)
 
     @staticmethod
     def _wasm_lacks(code: str, requires: Sequence[str] = ()) -> bool:
