@@ -440,8 +440,10 @@ def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: byt
     """
     slot = store.output
     slot.run = state  # the C state keeps the guest's C-level output under the cap too
-    func, context, store_address = store.addresses or (
-        ctypes.addressof(execute._func), address_of(store._context()), address_of(store.ptr()))
+    if store.addresses is None:
+        store.bind(execute)
+    assert store.addresses is not None
+    func, context, store_address = store.addresses
     current.adopt = adopt
     try:
         answer: tuple[Any, ...] | None = native.call_plain(func, context, request, state,
