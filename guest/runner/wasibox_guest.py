@@ -278,20 +278,26 @@ def _execute(request, streams):
     pure-Python decoder cost more fuel than a small program does.
     """
     if request.startswith("\x01"):  # a plain run, flat
+        # Only a one-shot run in a fresh, primed instance is sent flat (a session's call
+        # carries "session", so it is a map): sys.stdout, sys.stderr and sys.argv are still
+        # what the snapshot and the priming job left them, ``streams`` and [""] (see the
+        # end of this file). Setting them again (and calling ``wasibox_job.prepare``) cost
+        # ~0.02 ms of a paced run's call, whose code and data are out of the CPU's caches.
         job = _flat_run(request)
         records = ""
-    elif request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
-        job = marshal.loads(request.encode("latin-1")[1:])
-        records = ""
-    else:  # a batch: its map in base64, then a NUL and its records
-        request, _, records = request.partition("\x00")
-        job = marshal.loads(binascii.a2b_base64(request))
-    sys.stdout, sys.stderr = streams
+    else:
+        if request.startswith("\x00"):  # a run, call or compile: marshal, one char per byte
+            job = marshal.loads(request.encode("latin-1")[1:])
+            records = ""
+        else:  # a batch: its map in base64, then a NUL and its records
+            request, _, records = request.partition("\x00")
+            job = marshal.loads(binascii.a2b_base64(request))
+        sys.stdout, sys.stderr = streams
+        wasibox_job.prepare(job)
     # A session's random stream is seeded once, by its first call, and then runs on.
     seed = job.get("seed")
     if seed != _SNAPSHOT_SEED and not (job.get("session", False) and wasibox_job.SESSION):
         random.seed(seed)  # None reseeds from the entropy capability: seeded or real
-    wasibox_job.prepare(job)
     if job.get("op") == "batch":
         return wasibox_batch.execute_batch(job, records.encode("latin-1"), streams, _program)
     reply = wasibox_job.run_job(job, streams, _program, _finish, _heap_top)
@@ -424,10 +430,10 @@ def _plug_heap_holes(probe=1 << 20):
 def _warm_up():
     """Run typical jobs a few times now, so the snapshot holds the interpreter's specialised
     bytecode and warm caches: a fresh instance then writes (and copies) fewer pages."""
-    saved = sys.stdout, sys.stderr
     threshold = gc.get_threshold()  # a batch raises it for its own instance (wasibox_batch)
     scratch = tuple(io.TextIOWrapper(io.BytesIO(), encoding="utf-8", line_buffering=buffering)
                     for buffering in (False, True))
+    sys.stdout, sys.stderr = scratch  # what the flat runs print to (see _execute)
 
     jobs = [
         {"op": "run", "code": "print(1 + 1)", "seed": 0},
@@ -462,7 +468,6 @@ def _warm_up():
                                           newline=False).decode("ascii")
             records = marshal.dumps(batch["records"], 2).decode("latin-1")
             _execute(request + "\x00" + records, scratch)
-    sys.stdout, sys.stderr = saved
     _start = real_start
     linecache.cache.pop(wasibox_job.SOURCE_NAME, None)
     wasibox_batch.HELD.clear()
@@ -480,6 +485,10 @@ _warm_up()
 # Every run starts from this state, so what every run would otherwise build first is built
 # here, once: the output streams and the default seed's generator state.
 _STREAMS = (_new_stream(1, line_buffering=False), _new_stream(2, line_buffering=True))
+# What a flat run finds, and so need not set itself (see _execute); the argv of code run
+# with -c or from stdin, as wasibox_job.prepare gives every other job.
+sys.stdout, sys.stderr = _STREAMS
+sys.argv = [""]
 random.seed(_SNAPSHOT_SEED)
 # Everything made so far lives for the life of the snapshot. Freezing it keeps the cyclic
 # garbage collector from walking (and so page-faulting in) the whole snapshot heap during a
