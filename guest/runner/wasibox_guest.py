@@ -108,8 +108,9 @@ class _HostStream(io.RawIOBase):
         return True
 
     def write(self, data, _decode=codecs.latin_1_decode, _write=_stdio.write):
-        # The buffer's memoryview decoded as it is (C, one call), with the import bound:
-        # ~3K fuel less per flush than copying it to bytes first and looking both up.
+        # What it is given (the text layer's bytes, or any buffer a program writes to
+        # sys.stdout.buffer) decoded as it is (C, one call), with the import bound: ~3K fuel
+        # less per write than copying it to bytes first and looking both up.
         text, size = _decode(data)
         if size:
             _write(self._fd, text)
@@ -117,8 +118,11 @@ class _HostStream(io.RawIOBase):
 
 
 def _new_stream(fd, line_buffering):
-    buffered = io.BufferedWriter(_HostStream(fd), buffer_size=8192)
-    return io.TextIOWrapper(buffered, encoding="utf-8", errors="backslashreplace",
+    # No BufferedWriter between: the text layer gathers its writes itself (8 KiB, or a line)
+    # and hands them on as one write, and flushing through a BufferedWriter as well cost
+    # ~6K fuel and ~0.01 ms of a paced run's call. As on the microVM agent, the stream's
+    # ``buffer`` is then the raw one: a program's writes to it reach the host at once.
+    return io.TextIOWrapper(_HostStream(fd), encoding="utf-8", errors="backslashreplace",
                             line_buffering=line_buffering)
 
 
