@@ -1359,7 +1359,11 @@ clear:
         PyErr_Restore(type, value, traceback);
 #endif
     }
-    if (answer == NULL || adopted == NULL) goto done;
+    if (answer == NULL) goto done;
+    if (adopted == NULL) { /* unreadable: whether a Python run was made is unknown */
+        PyErr_SetString(PyExc_RuntimeError, "run_plain: the thread's run could not be read");
+        goto done;
+    }
     PyObject *reply = PyTuple_GET_ITEM(answer, 0), *message = PyTuple_GET_ITEM(answer, 1);
     uint64_t exit_code = 0, heap_top = 0;
     bool memory_error = false, plain = false;
