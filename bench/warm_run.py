@@ -7,8 +7,10 @@ time and minor page faults (``getrusage(RUSAGE_THREAD)``) of:
 - *host before the call*: ``Sandbox.run`` up to the backend (checks, admission, backend
   choice), then the backend up to the guest call (request, pool take, run state, ticker);
   a plain run such as this one takes the backend's prepared path (``PlainRuns``);
-- *the guest call* (``call_guest``): the wasm code, the page faults it takes on copy-on-write
-  pages the priming did not touch, and its host-function calls;
+- *the guest call* (``call_guest``; for a plain run, ``native.run_plain``, which also makes
+  the run's C state before the call and its RunResult after it, in C): the wasm code, the
+  page faults it takes on copy-on-write pages the priming did not touch, and its
+  host-function calls;
 - *host after the call*: the outcome, releasing the instance, and decoding the reply into the
   RunResult.
 
@@ -75,7 +77,9 @@ def phases(runs: int, gap_s: float) -> None:
     # A plain run (nothing but the code set) takes the backend's prepared path, PlainRuns;
     # any other run takes WasmBackend.execute. Both are stamped, so either way is split.
     wasm_backend.call_guest = stamped(marks, "call", "called", wasm_backend.call_guest)
-    wasm_backend.call_plain = stamped(marks, "call", "called", wasm_backend.call_plain)
+    native = wasm_runtime().native.module
+    if native is not None:
+        native.run_plain = stamped(marks, "call", "called", native.run_plain)
     wasm_backend.WasmBackend.execute = stamped(  # type: ignore[method-assign]
         marks, "backend", "backend done", wasm_backend.WasmBackend.execute)
     wasm_backend.PlainRuns.__call__ = stamped(  # type: ignore[method-assign]

@@ -185,7 +185,7 @@ class Runner:
                 with self._lock:
                     owns_slot = ticket.has_slot
                 if owns_slot:
-                    self._release()
+                    self.release()
                 raise
             if ticket.future.done():  # cancelled while queued (the Sandbox was closed)
                 return ticket.future.result()
@@ -212,8 +212,22 @@ class Runner:
             return self._take_free_slot()
 
     def release(self) -> None:
-        """Free a slot taken by ``claim``."""
-        self._release()
+        """Free a slot taken by ``claim`` (or by any finished run): give it to the oldest
+        waiting run, or free it."""
+        with self._lock:
+            if not self._waiting:
+                self._active -= 1
+                return
+            ticket = self._waiting.popleft()
+            ticket.has_slot = True
+            forget = ticket.forget_queue_cancel
+        if forget is not None:
+            forget()
+        if ticket.detached:
+            self._submit(ticket)
+        else:
+            assert ticket.granted is not None  # it was queued
+            ticket.granted.set()
 
     def close(self) -> None:
         """Refuse new runs and cancel queued ones; active runs finish on their own."""
@@ -266,23 +280,6 @@ class Runner:
         ticket.future.set_result(self._cancelled_result(ticket.job))
         ticket.granted.set()
 
-    def _release(self) -> None:
-        """Give the finished run's slot to the oldest waiting run, or free it."""
-        with self._lock:
-            if not self._waiting:
-                self._active -= 1
-                return
-            ticket = self._waiting.popleft()
-            ticket.has_slot = True
-            forget = ticket.forget_queue_cancel
-        if forget is not None:
-            forget()
-        if ticket.detached:
-            self._submit(ticket)
-        else:
-            assert ticket.granted is not None  # it was queued
-            ticket.granted.set()
-
     def _submit(self, ticket: _Ticket) -> None:
         with self._lock:
             if self._executor is None and not self._closed:
@@ -299,7 +296,7 @@ class Runner:
             ticket.control.cancel()
             ticket.control.finish()
             ticket.future.set_result(self._cancelled_result(ticket.job))
-            self._release()
+            self.release()
 
     def _execute(self, ticket: _Ticket) -> RunResult:
         """Execute a ticket that holds a slot; always frees the slot and settles the future
@@ -308,14 +305,14 @@ class Runner:
             result = (ticket.execute or self._execute_job)(ticket.job, ticket.control)
         except BaseException as exc:
             ticket.control.finish()
-            self._release()
+            self.release()
             if ticket.future is not None:
                 ticket.future.set_exception(exc)
             if ticket.detached:
                 return self._cancelled_result(ticket.job)  # the handle holds the exception
             raise
         ticket.control.finish(cancelled=result.limit_exceeded is Limit.CANCELLED)
-        self._release()
+        self.release()
         if ticket.future is not None:
             ticket.future.set_result(result)
         return result

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 
 __all__ = ["FileRecord", "GuestException", "Outcome", "RefusedFile", "RunResult", "build_result",
-           "clean_text", "clean_value", "json_value", "plain_result"]
+           "clean_text", "clean_value", "json_value"]
 
 #: A lone surrogate: a code point that a str can hold and UTF-8 cannot encode.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -364,38 +364,6 @@ def build_result(outcome: Outcome, backend: str, reply_limit: int,
     if outcome.capability_log:
         return RunResult(**fields)  # its events' text is cleaned there
     return _clean_result(fields)
-
-
-def plain_result(exit_code: int, heap_top: int, stdout: bytes, stderr: bytes,
-                 stdout_truncated: bool, stderr_truncated: bool, *, fuel_used: int,
-                 memory_floor: int, memory_limit: int, duration_s: float, backend: str,
-                 packages: tuple[str, ...]) -> RunResult:
-    """What ``build_result`` makes of the Outcome of a run that ended with the plain reply
-    (``Outcome.plain_reply``: no error, no value) and no fault, limit or capability log,
-    made without the Outcome (whose ``memory_peak_bytes`` is ``memory_floor`` here). A paced
-    warm run's host time is mostly steps like these, run cold (see
-    ``wasibox.backends.wasm.backend.PlainRuns``); the tests compare the two on generated
-    outcomes."""
-    return _clean_result({
-        "ok": exit_code == 0,
-        "exit_code": exit_code,
-        "stdout": stdout.decode("utf-8", errors="replace"),
-        "stderr": stderr.decode("utf-8", errors="replace"),
-        "stdout_truncated": stdout_truncated,
-        "stderr_truncated": stderr_truncated,
-        "error": None,
-        "limit_exceeded": None,
-        "fuel_used": fuel_used,
-        "memory_peak_bytes": max(memory_floor, min(heap_top, memory_limit)),
-        "duration_s": duration_s,
-        "backend": backend,
-        "value": None,
-        "files": [],
-        "files_refused": [],
-        "capability_log": (),
-        "isolation": "wasm",
-        "packages": packages,
-    })
 
 
 def _clean_result(fields: dict[str, Any]) -> RunResult:

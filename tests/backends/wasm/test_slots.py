@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import wasmtime
+from wasmtime import component as cm
 
-from wasibox._guest import file_sha256
-from wasibox.backends.wasm import slots
+from wasibox._guest import GuestArtifact, file_sha256
+from wasibox.backends.wasm import engine, slots
 from wasibox.backends.wasm.runtime import runtime
 
 
@@ -65,3 +67,28 @@ def test_slots_are_scanned_only_when_more_stores_live_than_ever_before(tmp_path)
     for store in again:
         populator.track(store)
     assert populator.scans == 4
+
+
+#: A component whose one core instance has a memory with data: its snapshot, in miniature.
+TINY_GUEST = """(component
+  (core module $m (memory (export "memory") 2) (data (i32.const 65536) "snapshot"))
+  (core instance (instantiate $m)))"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_guest_compiled_in_this_process_has_its_slots_populated(tmp_path, monkeypatch) -> None:
+    # Compiled in memory, the memory image was an anonymous memfd the populator never
+    # found: every reset of its slots copied the whole image back.
+    monkeypatch.setenv("WASIBOX_CACHE_DIR", str(tmp_path))
+    source = tmp_path / "guest.wat"
+    source.write_text(TINY_GUEST)
+    artifact = GuestArtifact(source, "0" * 64)
+    guest_engine = wasmtime.Engine(engine.engine_config())
+    component, _ = engine.load_compiled(guest_engine, artifact, lambda message: None)
+    assert engine.compiled_path(artifact).is_file()
+    store = wasmtime.Store(guest_engine)
+    store.set_fuel(engine.INSTANTIATION_FUEL)
+    cm.Linker(guest_engine).instantiate(store, component)
+    populator = slots.SlotPopulator(engine.compiled_path(artifact).resolve())
+    populator.track(store)
+    assert populator._populated

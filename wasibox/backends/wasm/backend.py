@@ -9,7 +9,6 @@ plain runs (``run(code)`` and nothing else), with what does not change between t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 import threading
 import time
@@ -21,14 +20,14 @@ from wasmtime import _ffi as ffi
 from ..._control import RunControl, RunState
 from ..._errors import GuestBuildError, UsageError
 from ..._limits import Limit, Limits
-from ..._result import GuestException, Outcome, RunResult, plain_result
+from ..._result import GuestException, Outcome, RunResult
 from ..._wire import encode_request
 from ...capabilities.files.session import FileSession
 from ..base import Backend, BackendSession, Job, Policy
 from .compiler import Compiler
 from .engine import MIN_HOST_STACK
 from .host import NO_FINALIZER, ON_EPOCH_DEADLINE
-from .run import NativeRun, NativeTrap, Run, call_guest, call_plain, native_state
+from .run import NativeRun, NativeTrap, Run, call_guest, native_state, plain_config
 from .runtime import RunPath, WasmRuntime, checked_run_path, runtime
 from .stack import call_with_stack
 from .traps import classify
@@ -156,10 +155,11 @@ class PlainRuns:
     data out of the CPU's caches after the idle gap): about 25 steps between
     ``Sandbox.run`` and the guest call and back, each of 1-40 us. So what does not change
     between runs is made once here (the C-side run state with the limits and the seeded
-    generator, copied per run by ``native.Run.fresh``; the memory check; the encoded
-    request of recent sources), and no Python ``Run`` is made unless the guest calls a
-    host function written in Python (see ``call_plain``). A trap, an exit or a limit
-    goes through the same ``classify`` as any run.
+    generator, copied per run by ``native.Run.fresh``; the result's fixed fields; the
+    encoded request of recent sources), and the run itself, from its fresh state to its
+    RunResult, is one C call (``native.run_plain``), which makes no Python ``Run`` unless
+    the guest calls a host function written in Python. A trap, an exit or a limit goes
+    through the same ``classify`` as any run.
     """
 
     def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy,
@@ -171,8 +171,14 @@ class PlainRuns:
         assert native is not None  # see WasmBackend.plain_runs
         self._native = native
         self._job = Job(op="run", code="", limits=limits, policy=policy)
-        #: Never runs: each run's state is a copy of it.
-        self._state = native_state(self._native, self._job)
+        #: What every run shares, for ``native.run_plain`` (see its comment for the order):
+        #: the C-side run state with the limits and the seeded generator (never run: each
+        #: run's is a copy), the RunResult's fixed fields, and the limits.
+        self._config = plain_config(
+            native_state(native, self._job), self._runtime.ticker, self._adopt,
+            fuel=limits.fuel, memory_floor=self._runtime.min_memory_bytes,
+            memory_limit=limits.memory_bytes, timeout_s=limits.timeout_s,
+            backend=backend.name, packages=packages)
         self._requests: dict[str, bytes] = {}
         self._requests_bytes = 0
         self._lock = threading.Lock()
@@ -190,25 +196,21 @@ class PlainRuns:
             store, execute = rt.take()
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
             raise GuestBuildError(f"wasmtime could not instantiate the guest: {exc}") from None
-        state = self._state.fresh()
-        adopt = functools.partial(self._adopt, code, store, state,
-                                  time.monotonic() + self._job.limits.timeout_s)
-        with rt.ticker:
-            answer, run = call_plain(self._native, execute, store, request, state, adopt,
-                                     MIN_HOST_STACK)
+        answer = self._native.run_plain(self._config, code, request, store, started,
+                                        MIN_HOST_STACK)
+        if answer is None:  # this thread's stack is too small for the guest: never entered
+            answer = call_with_stack(self._native.run_plain, MIN_HOST_STACK, self._config,
+                                     code, request, store, started, 0)
+        if type(answer) is RunResult:
+            used: list[object] = [store, execute]
+            del store, execute
+            rt.release(used)
+            return answer
         (reply, message, status, stdout, stderr, stdout_cut, stderr_cut, limit, fault, _,
-         fuel_left, plain) = answer
+         fuel_left, plain, run, adopt) = answer
         limits = self._job.limits
-        result: RunResult | Outcome
-        if (run is None and message is None and limit is None and fault is None
-                and plain is not None):
-            exit_code, _, heap_top = plain  # a memory error with no error changes nothing
-            result = plain_result(
-                exit_code, heap_top, stdout, stderr, stdout_cut, stderr_cut,
-                fuel_used=limits.fuel - fuel_left, memory_floor=rt.min_memory_bytes,
-                memory_limit=limits.memory_bytes, duration_s=time.perf_counter() - started,
-                backend=self._backend.name, packages=self._packages)
-        elif run is None and message is None:
+        result: Outcome
+        if run is None and message is None:
             result = Outcome(
                 reply=reply, plain_reply=plain, stdout=stdout, stderr=stderr,
                 stdout_truncated=stdout_cut, stderr_truncated=stderr_cut,
@@ -226,7 +228,7 @@ class PlainRuns:
             result = _outcome(rt, adopted, None if message is not None else reply, exit_code,
                               time.perf_counter() - started)
             run = adopted
-        used: list[object] = [store, execute, run, adopt]
+        used = [store, execute, run, adopt]
         del store, execute, run, adopt
         rt.release(used)
         return result

@@ -12,6 +12,8 @@ with the run bound to the calling thread (``current``) and to the store's C-leve
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import math
 import os
 import random
@@ -28,15 +30,14 @@ from wasmtime import component as cm
 from ..._errors import JournalError, UsageError
 from ..._events import CapabilityEvent
 from ..._limits import Limit
-from ..._result import GuestException
+from ..._result import GuestException, RunResult
 from ...capabilities.hostcall import HostCalls, StopRun
 from ...capabilities.http import HttpGate
 from ..base import Job
-from .stack import call_with_stack
 
 __all__ = ["MAX_ENTROPY_CALL_BYTES", "VIRTUAL_EPOCH_S", "NativeRun", "NativeTrap", "OutputSlot",
-           "Run", "address_of", "adopted_run", "c_output", "call_guest", "call_plain",
-           "current", "GuestStore", "native_state", "taped"]
+           "Run", "address_of", "adopted_run", "c_output", "call_guest", "current",
+           "GuestStore", "native_state", "plain_config", "taped"]
 
 #: Where the virtual wall clock starts: 2024-01-01T00:00:00Z.
 VIRTUAL_EPOCH_S = 1_704_067_200
@@ -386,7 +387,7 @@ class OutputSlot:
 
 class GuestStore(wasmtime.Store):
     """A store of the guest, with what its calls need at hand: its output slot (set by
-    ``call_guest`` and ``call_plain`` for the duration of a call) and, once its instance is
+    ``call_guest`` and ``native.run_plain`` for the duration of a call) and, once its instance is
     made, the addresses the native path calls with. Looking these up per run (a weak
     dictionary, two ctypes casts) was a measurable share of a paced warm run's host time."""
 
@@ -416,7 +417,7 @@ def c_output(fd: int, slot: OutputSlot) -> Any:
 
 def adopted_run() -> Run | None:
     """The Python side of a plain run whose guest call this thread is making, made now (see
-    ``call_plain``), or None outside a plain run."""
+    ``native.run_plain``), or None outside a plain run."""
     adopt: Callable[[], Run] | None = getattr(current, "adopt", None)
     if adopt is None:
         return None
@@ -424,38 +425,20 @@ def adopted_run() -> Run | None:
     return run
 
 
-def call_plain(native: ModuleType, execute: Any, store: GuestStore, request: bytes,
-               state: Any, adopt: Callable[[], Run],
-               min_stack: int) -> tuple[tuple[Any, ...], Run | None]:
-    """Call the guest's ``execute`` for a plain run on the native path: on this thread if
-    its native stack has ``min_stack`` bytes, else on a helper thread with that much (see
-    ``call_with_stack``; the check is made in C, without its Python steps on every run).
-
-    ``state`` (a ``native.Run``) is the run's host state, and the store's memory cap, fuel
-    and epoch deadline are set from it in the C call. No Python ``Run`` is made unless a
-    host function written in Python (files, host functions, HTTP) is called, which then
-    makes it with ``adopt``. Returns what ``native.call_plain`` returned (the reply, the
-    trap's message and exit status, the C state's outcome, the fuel left and the plain
-    reply read in C, or None), and that Run, if made.
-    """
-    slot = store.output
-    slot.run = state  # the C state keeps the guest's C-level output under the cap too
-    if store.addresses is None:
-        store.bind(execute)
-    assert store.addresses is not None
-    func, context, store_address = store.addresses
-    current.adopt = adopt
-    try:
-        answer: tuple[Any, ...] | None = native.call_plain(func, context, request, state,
-                                                           store_address, min_stack)
-    finally:
-        run: Run | None = getattr(current, "run", None)
-        current.run = current.adopt = None
-        slot.run = None
-    if answer is None:  # this thread's stack is too small for the guest: never entered
-        return call_with_stack(call_plain, min_stack, native, execute, store, request, state,
-                               adopt, 0)
-    return answer, run
+def plain_config(state: Any, ticker: Any, adopt: Callable[..., Run], *, fuel: int,
+                 memory_floor: int, memory_limit: int, timeout_s: float, backend: str,
+                 packages: tuple[str, ...]) -> tuple[Any, ...]:
+    """What ``native.run_plain`` needs for every plain run, in the order of its ``PLAIN_*``
+    names: ``state``, the C-side run state (``native_state``) every run's is a copy of; this
+    module's ``current``; ``adopt(code, store, state, deadline)``, which makes the Python
+    ``Run`` when the guest calls a host function written in Python (see ``adopted_run``);
+    the runtime's ``ticker``; the RunResult's fields, those no run changes with their
+    values; and the limits (``memory_floor``: the guest's minimum memory)."""
+    fields: dict[str, Any] = dict.fromkeys(field.name for field in dataclasses.fields(RunResult))
+    fields.update(error=None, limit_exceeded=None, value=None, capability_log=(),
+                  isolation="wasm", backend=backend, packages=packages)
+    return (state, current, adopt, functools.partial, ticker, RunResult, fields, fuel,
+            min(memory_floor, _U64_MAX), min(memory_limit, _U64_MAX), float(timeout_s))
 
 
 def call_guest(run: Run, execute: Any, request: str, arm: bool = False) -> str | None:

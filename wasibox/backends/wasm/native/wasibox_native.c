@@ -1011,25 +1011,16 @@ static PyObject *error_result(wasmtime_error_t *error) {
  * epoch deadline (one tick ahead) are set from `run` first, and its fuel is read back into
  * `run.fuel_left` after, all with the GIL released (as wasmtime-py's setters would each
  * release and take it again). */
-static PyObject *native_call(PyObject *module, PyObject *args) {
-    PyObject *func_address, *context_address, *store_address = NULL;
-    Py_buffer request;
-    Run *run;
-    if (!PyArg_ParseTuple(args, "OOy*O!|O", &func_address, &context_address, &request,
-                          &RunType, &run, &store_address))
-        return NULL;
-    const wasmtime_component_func_t *func = address(func_address);
-    wasmtime_context_t *context = func ? address(context_address) : NULL;
-    wasmtime_store_t *store = NULL;
-    if (context != NULL && store_address != NULL) store = address(store_address);
-    if (context == NULL || (store_address != NULL && store == NULL)) {
-        PyBuffer_Release(&request);
-        return NULL;
-    }
+/* The guest's execute(request) on this thread, with the GIL released: (reply, error message,
+ * exit status). With `store`, its memory cap, fuel and epoch deadline are set from `run`
+ * first, and the fuel left is read back into it. */
+static PyObject *call_execute(const wasmtime_component_func_t *func,
+                              wasmtime_context_t *context, wasmtime_store_t *store,
+                              const char *request, size_t request_size, Run *run) {
     wasmtime_component_val_t param, result;
     param.kind = VAL_STRING;
-    param.of.string.size = (size_t)request.len;
-    param.of.string.data = request.buf; /* borrowed for the call; Wasmtime copies it in */
+    param.of.string.size = request_size;
+    param.of.string.data = (char *)request; /* borrowed for the call; Wasmtime copies it in */
     memset(&result, 0, sizeof result);
     Py_INCREF(run);
     wasmtime_error_t *error;
@@ -1062,7 +1053,6 @@ static PyObject *native_call(PyObject *module, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     Py_DECREF(run);
-    PyBuffer_Release(&request);
     if (error != NULL) return error_result(error);
     PyObject *reply = NULL;
     if (result.kind == VAL_STRING)
@@ -1073,6 +1063,24 @@ static PyObject *native_call(PyObject *module, PyObject *args) {
     wasmtime_component_val_delete(&result);
     if (reply == NULL) return NULL;
     return Py_BuildValue("(NOO)", reply, Py_None, Py_None);
+}
+
+static PyObject *native_call(PyObject *module, PyObject *args) {
+    PyObject *func_address, *context_address, *store_address = NULL;
+    Py_buffer request;
+    Run *run;
+    if (!PyArg_ParseTuple(args, "OOy*O!|O", &func_address, &context_address, &request,
+                          &RunType, &run, &store_address))
+        return NULL;
+    const wasmtime_component_func_t *func = address(func_address);
+    wasmtime_context_t *context = func ? address(context_address) : NULL;
+    wasmtime_store_t *store = NULL;
+    if (context != NULL && store_address != NULL) store = address(store_address);
+    PyObject *answer = NULL;
+    if (context != NULL && (store_address == NULL || store != NULL))
+        answer = call_execute(func, context, store, request.buf, (size_t)request.len, run);
+    PyBuffer_Release(&request);
+    return answer;
 }
 
 /* The plain reply of most runs, exactly as the guest runner writes it (no error, no value):
@@ -1140,35 +1148,225 @@ static size_t thread_stack_bytes(void) {
     return size;
 }
 
-/* call_plain(func, context, request, run, store, min_stack) -> call's (reply, error
- * message, exit) followed by run.outcome()'s seven fields, the fuel left, and the plain
- * reply read as (exit_code, memory_error, heap_top), or None when the reply is not plain (or
- * absent). None instead of all that, with the guest not entered, when the calling thread's
- * stack is smaller than min_stack bytes (or unknown): the caller then calls again on a
- * thread with a large enough one (stack.py's call_with_stack, whose check this is, without
- * its Python steps on every run). */
-static PyObject *native_call_plain(PyObject *module, PyObject *args) {
-    PyObject *answer = NULL, *outcome = NULL, *plain = NULL, *result = NULL;
-    Run *run;
-    if (PyTuple_GET_SIZE(args) != 6 || !PyObject_TypeCheck(PyTuple_GET_ITEM(args, 3), &RunType)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "call_plain(func, context, request, run, store, min_stack)");
-        return NULL;
+/* ---- a plain run, whole (wasibox/backends/wasm/backend.py's PlainRuns) ------------------- */
+
+/* What a Sandbox's plain runs share, made once by PlainRuns (run_plain's `config`): */
+enum {
+    PLAIN_TEMPLATE,     /* the native.Run every run's state is a fresh() copy of */
+    PLAIN_CURRENT,      /* run.py's thread-local `current` (adopt, run) */
+    PLAIN_ADOPT,        /* PlainRuns._adopt(code, store, state, deadline) -> NativeRun */
+    PLAIN_PARTIAL,      /* functools.partial */
+    PLAIN_TICKER,       /* the runtime's Ticker */
+    PLAIN_RESULT_TYPE,  /* wasibox.RunResult */
+    PLAIN_FIELDS,       /* every RunResult field in order, the fixed ones with their values */
+    PLAIN_FUEL,         /* limits.fuel (an int) */
+    PLAIN_MEMORY_FLOOR, /* the guest's minimum memory, bytes (at most 2**64 - 1) */
+    PLAIN_MEMORY_LIMIT, /* limits.memory_bytes (at most 2**64 - 1) */
+    PLAIN_TIMEOUT_S,    /* limits.timeout_s (a float) */
+    PLAIN_CONFIG_SIZE,
+};
+
+/* The names run_plain looks up and sets, and the RunResult fields it fills: interned once. */
+static PyObject *name_addresses, *name_output, *name_run, *name_adopt;
+enum {
+    FIELD_OK, FIELD_EXIT_CODE, FIELD_STDOUT, FIELD_STDERR, FIELD_STDOUT_TRUNCATED,
+    FIELD_STDERR_TRUNCATED, FIELD_FUEL_USED, FIELD_MEMORY_PEAK, FIELD_DURATION, FIELD_FILES,
+    FIELD_FILES_REFUSED, FIELD_COUNT,
+};
+static const char *const FIELD_NAMES[FIELD_COUNT] = {
+    "ok", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated",
+    "fuel_used", "memory_peak_bytes", "duration_s", "files", "files_refused",
+};
+static PyObject *field_names[FIELD_COUNT];
+
+static bool plain_config(PyObject *config) {
+    if (!PyTuple_Check(config) || PyTuple_GET_SIZE(config) != PLAIN_CONFIG_SIZE
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(config, PLAIN_TEMPLATE), &RunType)
+        || !PyObject_TypeCheck(PyTuple_GET_ITEM(config, PLAIN_TICKER), &TickerType)
+        || !PyType_Check(PyTuple_GET_ITEM(config, PLAIN_RESULT_TYPE))
+        || !PyDict_Check(PyTuple_GET_ITEM(config, PLAIN_FIELDS))) {
+        PyErr_SetString(PyExc_TypeError, "run_plain: a config as PlainRuns makes it");
+        return false;
     }
-    size_t min_stack = PyLong_AsSize_t(PyTuple_GET_ITEM(args, 5));
-    if (min_stack == (size_t)-1 && PyErr_Occurred()) return NULL;
-    if (thread_stack_bytes() < min_stack) Py_RETURN_NONE;
-    run = (Run *)PyTuple_GET_ITEM(args, 3);
-    PyObject *call_args = PyTuple_GetSlice(args, 0, 5);
-    if (call_args == NULL) return NULL;
-    answer = native_call(module, call_args);
-    Py_DECREF(call_args);
-    if (answer == NULL) return NULL;
-    outcome = Run_outcome(run, NULL);
-    if (outcome == NULL) goto done;
-    PyObject *reply = PyTuple_GET_ITEM(answer, 0);
+    return true;
+}
+
+/* The RunResult of a run that ended with the plain reply (no error, no value) and no fault,
+ * limit or capability call: what wasibox._result.build_result makes of its Outcome (the
+ * tests compare the two), made directly. Its fields are all clean already (the output is
+ * decoded as build_result decodes it), so the frozen dataclass's __init__ and
+ * __post_init__ would change nothing: the object gets its __dict__ whole. */
+static PyObject *plain_result_of(PyObject *config, uint64_t exit_code, uint64_t heap_top,
+                                 const char *out, size_t out_size, const char *err,
+                                 size_t err_size, bool out_cut, bool err_cut,
+                                 uint64_t fuel_left, double duration_s) {
+    uint64_t floor = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(config, PLAIN_MEMORY_FLOOR));
+    uint64_t limit = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(config, PLAIN_MEMORY_LIMIT));
+    if (PyErr_Occurred()) return NULL;
+    uint64_t peak = heap_top < limit ? heap_top : limit;
+    if (peak < floor) peak = floor;
+    PyObject *values[FIELD_COUNT] = {NULL};
+    values[FIELD_OK] = PyBool_FromLong(exit_code == 0);
+    values[FIELD_EXIT_CODE] = PyLong_FromUnsignedLongLong(exit_code);
+    values[FIELD_STDOUT] = PyUnicode_DecodeUTF8(out, (Py_ssize_t)out_size, "replace");
+    values[FIELD_STDERR] = PyUnicode_DecodeUTF8(err, (Py_ssize_t)err_size, "replace");
+    values[FIELD_STDOUT_TRUNCATED] = PyBool_FromLong(out_cut);
+    values[FIELD_STDERR_TRUNCATED] = PyBool_FromLong(err_cut);
+    PyObject *left = PyLong_FromUnsignedLongLong(fuel_left);
+    values[FIELD_FUEL_USED] = left == NULL ? NULL : PyNumber_Subtract(
+        PyTuple_GET_ITEM(config, PLAIN_FUEL), left);
+    Py_XDECREF(left);
+    values[FIELD_MEMORY_PEAK] = PyLong_FromUnsignedLongLong(peak);
+    values[FIELD_DURATION] = PyFloat_FromDouble(duration_s);
+    values[FIELD_FILES] = PyList_New(0);
+    values[FIELD_FILES_REFUSED] = PyList_New(0);
+    PyObject *fields = PyDict_Copy(PyTuple_GET_ITEM(config, PLAIN_FIELDS));
+    PyObject *result = NULL;
+    bool made = fields != NULL;
+    for (int i = 0; made && i < FIELD_COUNT; i++)
+        made = values[i] != NULL && PyDict_SetItem(fields, field_names[i], values[i]) == 0;
+    if (made) {
+        PyTypeObject *type = (PyTypeObject *)PyTuple_GET_ITEM(config, PLAIN_RESULT_TYPE);
+        PyObject *no_args = PyTuple_New(0);
+        result = no_args == NULL ? NULL : PyBaseObject_Type.tp_new(type, no_args, NULL);
+        Py_XDECREF(no_args);
+        if (result != NULL && PyObject_GenericSetDict(result, fields, NULL) < 0)
+            Py_CLEAR(result);
+    }
+    for (int i = 0; i < FIELD_COUNT; i++) Py_XDECREF(values[i]);
+    Py_XDECREF(fields);
+    return result;
+}
+
+/* plain_result(config, exit_code, heap_top, stdout, stderr, stdout_truncated,
+ * stderr_truncated, fuel_left, duration_s) -> RunResult: run_plain's result, from given
+ * values (for the tests that compare it with build_result). */
+static PyObject *native_plain_result(PyObject *module, PyObject *args) {
+    PyObject *config;
+    unsigned long long exit_code, heap_top, fuel_left;
+    Py_buffer out, err;
+    int out_cut, err_cut;
+    double duration_s;
+    if (!PyArg_ParseTuple(args, "OKKy*y*ppKd", &config, &exit_code, &heap_top, &out, &err,
+                          &out_cut, &err_cut, &fuel_left, &duration_s))
+        return NULL;
+    PyObject *result = NULL;
+    if (plain_config(config))
+        result = plain_result_of(config, exit_code, heap_top, out.buf, (size_t)out.len,
+                                 err.buf, (size_t)err.len, out_cut, err_cut, fuel_left,
+                                 duration_s);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&err);
+    return result;
+}
+
+/* current.<name>, or None where it is unset. */
+static PyObject *attribute_or_none(PyObject *object, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        value = Py_NewRef(Py_None);
+    }
+    return value;
+}
+
+/*
+ * run_plain(config, code, request, store, started, min_stack) -> RunResult | tuple | None
+ *
+ * One plain run (Sandbox.run(code) with nothing else set) in `store`, a pooled instance of
+ * the native path, from its fresh C state to its RunResult: what PlainRuns did in Python
+ * around the guest call (a copy of the state, the deadline, the Python Run made only if a
+ * host function written in Python is called (`adopt`, in run.py's `current`), the ticker,
+ * the output slot, reading the plain reply, the result). A paced warm run executed those
+ * steps with the CPU's caches cold after its idle time, ~10 us a step. `started` is the
+ * time.perf_counter() the run's duration counts from.
+ *
+ * Returns the RunResult when the guest gave the plain reply and nothing else happened (no
+ * trap, limit, fault, or Python host function): most runs. Otherwise the tuple the caller
+ * builds the Outcome from: (reply, trap message, exit status, stdout, stderr,
+ * stdout_truncated, stderr_truncated, limit, fault, exit code, fuel left, the plain reply
+ * as (exit_code, memory_error, heap_top) or None, the Python Run if one was made or None,
+ * and the `adopt` that makes it). None, with the guest not entered, when this thread's
+ * stack is smaller than min_stack bytes (or unknown): the caller calls again on a thread
+ * with a large enough one (stack.py's call_with_stack, whose check this is).
+ */
+static PyObject *native_run_plain(PyObject *module, PyObject *args) {
+    PyObject *config, *code, *store, *min_stack_object;
+    Py_buffer request;
+    double started;
+    if (!PyArg_ParseTuple(args, "OOy*OdO", &config, &code, &request, &store, &started,
+                          &min_stack_object))
+        return NULL;
+    PyObject *addresses = NULL, *slot = NULL, *adopt = NULL, *answer = NULL, *adopted = NULL;
+    PyObject *result = NULL, *current = NULL;
+    Run *run = NULL;
+    size_t min_stack = PyLong_AsSize_t(min_stack_object);
+    if ((min_stack == (size_t)-1 && PyErr_Occurred()) || !plain_config(config)) goto done;
+    if (thread_stack_bytes() < min_stack) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    current = PyTuple_GET_ITEM(config, PLAIN_CURRENT);
+    addresses = PyObject_GetAttr(store, name_addresses);
+    if (addresses == NULL) goto done;
+    if (!PyTuple_Check(addresses) || PyTuple_GET_SIZE(addresses) != 3) {
+        PyErr_SetString(PyExc_TypeError, "run_plain: the store's instance is not bound");
+        goto done;
+    }
+    const wasmtime_component_func_t *func = address(PyTuple_GET_ITEM(addresses, 0));
+    wasmtime_context_t *context = func ? address(PyTuple_GET_ITEM(addresses, 1)) : NULL;
+    wasmtime_store_t *store_pointer = context ? address(PyTuple_GET_ITEM(addresses, 2)) : NULL;
+    if (store_pointer == NULL) goto done;
+    slot = PyObject_GetAttr(store, name_output);
+    if (slot == NULL) goto done;
+    run = (Run *)Run_fresh((Run *)PyTuple_GET_ITEM(config, PLAIN_TEMPLATE), NULL);
+    if (run == NULL) goto done;
+    double timeout_s = PyFloat_AsDouble(PyTuple_GET_ITEM(config, PLAIN_TIMEOUT_S));
+    if (timeout_s == -1.0 && PyErr_Occurred()) goto done;
+    /* The deadline a Python Run gets, as time.monotonic() gives it (CLOCK_MONOTONIC). */
+    double deadline = (double)now_ns(CLOCK_MONOTONIC) / 1e9 + timeout_s;
+    adopt = PyObject_CallFunction(PyTuple_GET_ITEM(config, PLAIN_PARTIAL), "OOOOd",
+                                  PyTuple_GET_ITEM(config, PLAIN_ADOPT), code, store,
+                                  (PyObject *)run, deadline);
+    if (adopt == NULL) goto done;
+    /* The C state keeps the guest's C-level output under the cap too (run.py's c_output). */
+    if (PyObject_SetAttr(slot, name_run, (PyObject *)run) < 0) goto done;
+    if (PyObject_SetAttr(current, name_adopt, adopt) < 0) goto clear;
+    Ticker *ticker = (Ticker *)PyTuple_GET_ITEM(config, PLAIN_TICKER);
+    PyObject *entered = Ticker_enter(ticker, NULL);
+    if (entered == NULL) goto clear;
+    Py_DECREF(entered);
+    answer = call_execute(func, context, store_pointer, request.buf, (size_t)request.len, run);
+    Py_DECREF(Ticker_exit(ticker, NULL)); /* Py_False, never NULL */
+clear:
+    /* Whatever happened, the thread and the slot forget the run (saving a pending error). */
+    {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *pending = PyErr_GetRaisedException();
+#else
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+#endif
+        adopted = attribute_or_none(current, name_run);
+        if (adopted == NULL) PyErr_Clear();
+        if (PyObject_SetAttr(current, name_run, Py_None) < 0
+            || PyObject_SetAttr(current, name_adopt, Py_None) < 0
+            || PyObject_SetAttr(slot, name_run, Py_None) < 0)
+            PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+        if (pending != NULL) PyErr_SetRaisedException(pending);
+#else
+        PyErr_Restore(type, value, traceback);
+#endif
+    }
+    if (answer == NULL) goto done;
+    if (adopted == NULL) { /* unreadable: whether a Python run was made is unknown */
+        PyErr_SetString(PyExc_RuntimeError, "run_plain: the thread's run could not be read");
+        goto done;
+    }
+    PyObject *reply = PyTuple_GET_ITEM(answer, 0), *message = PyTuple_GET_ITEM(answer, 1);
     uint64_t exit_code = 0, heap_top = 0;
-    bool memory_error = false;
+    bool memory_error = false, plain = false;
     Py_ssize_t size = 0;
     /* A plain reply is ASCII and short: nothing else is looked at (nor copied to UTF-8). */
     const char *text = reply != Py_None && PyUnicode_IS_ASCII(reply)
@@ -1176,23 +1374,42 @@ static PyObject *native_call_plain(PyObject *module, PyObject *args) {
                            ? PyUnicode_AsUTF8AndSize(reply, &size)
                            : NULL;
     if (PyErr_Occurred()) goto done;
-    if (text != NULL && plain_reply(text, (size_t)size, &exit_code, &memory_error, &heap_top))
-        plain = Py_BuildValue("(KOK)", (unsigned long long)exit_code,
-                              memory_error ? Py_True : Py_False, (unsigned long long)heap_top);
-    else
-        plain = Py_NewRef(Py_None);
-    if (plain == NULL) goto done;
-    result = Py_BuildValue("(OOOOOOOOOOKN)", reply, PyTuple_GET_ITEM(answer, 1),
-                           PyTuple_GET_ITEM(answer, 2), PyTuple_GET_ITEM(outcome, 0),
-                           PyTuple_GET_ITEM(outcome, 1), PyTuple_GET_ITEM(outcome, 2),
-                           PyTuple_GET_ITEM(outcome, 3), PyTuple_GET_ITEM(outcome, 4),
-                           PyTuple_GET_ITEM(outcome, 5), PyTuple_GET_ITEM(outcome, 6),
-                           (unsigned long long)run->fuel_left, plain);
-    plain = NULL; /* stolen by N */
+    if (text != NULL) plain = plain_reply(text, (size_t)size, &exit_code, &memory_error, &heap_top);
+    if (plain && adopted == Py_None && message == Py_None && run->limit == LIMIT_NONE
+        && run->fault_type == NULL) {
+        /* memory_error without an error changes nothing: the result is the plain one. */
+        pthread_mutex_lock(&run->output_lock); /* a WASI worker may still be writing */
+        result = plain_result_of(
+            config, exit_code, heap_top, run->stdout_buf ? run->stdout_buf : "",
+            run->stdout_len, run->stderr_buf ? run->stderr_buf : "", run->stderr_len,
+            run->stdout_truncated, run->stderr_truncated, run->fuel_left,
+            (double)now_ns(CLOCK_MONOTONIC) / 1e9 - started);
+        pthread_mutex_unlock(&run->output_lock);
+        goto done;
+    }
+    PyObject *outcome = Run_outcome(run, NULL);
+    if (outcome == NULL) goto done;
+    PyObject *plain_tuple = plain ? Py_BuildValue("(KOK)", (unsigned long long)exit_code,
+                                                  memory_error ? Py_True : Py_False,
+                                                  (unsigned long long)heap_top)
+                                  : Py_NewRef(Py_None);
+    if (plain_tuple != NULL)
+        result = Py_BuildValue(
+            "(OOOOOOOOOOKNOO)", reply, message, PyTuple_GET_ITEM(answer, 2),
+            PyTuple_GET_ITEM(outcome, 0), PyTuple_GET_ITEM(outcome, 1),
+            PyTuple_GET_ITEM(outcome, 2), PyTuple_GET_ITEM(outcome, 3),
+            PyTuple_GET_ITEM(outcome, 4), PyTuple_GET_ITEM(outcome, 5),
+            PyTuple_GET_ITEM(outcome, 6), (unsigned long long)run->fuel_left, plain_tuple,
+            adopted, adopt);
+    Py_DECREF(outcome);
 done:
+    PyBuffer_Release(&request);
+    Py_XDECREF(addresses);
+    Py_XDECREF(slot);
+    Py_XDECREF(adopt);
     Py_XDECREF(answer);
-    Py_XDECREF(outcome);
-    Py_XDECREF(plain);
+    Py_XDECREF(adopted);
+    Py_XDECREF((PyObject *)run);
     return result;
 }
 
@@ -1689,9 +1906,13 @@ done:
 static PyMethodDef module_methods[] = {
     {"call", native_call, METH_VARARGS,
      "call(func, context, request, run): the guest's execute, with the GIL released."},
-    {"call_plain", native_call_plain, METH_VARARGS,
-     "call_plain(func, context, request, run, store, min_stack): a plain run's call and "
-     "outcome, or None if this thread's stack is too small."},
+    {"run_plain", native_run_plain, METH_VARARGS,
+     "run_plain(config, code, request, store, started, min_stack): a plain run, whole: its "
+     "RunResult, or what the caller builds it from, or None if this thread's stack is too "
+     "small."},
+    {"plain_result", native_plain_result, METH_VARARGS,
+     "plain_result(config, exit_code, heap_top, stdout, stderr, stdout_truncated, "
+     "stderr_truncated, fuel_left, duration_s): run_plain's RunResult of given values."},
     {"arm", native_arm, METH_O, "arm(store): the epoch deadline callback, in C."},
     {"define", native_define, METH_VARARGS,
      "define(linker, wasi_version): the C host functions, on a component linker."},
@@ -1707,6 +1928,13 @@ static struct PyModuleDef native_module = {
 
 PyMODINIT_FUNC PyInit__wasibox_native(void) {
     if (PyType_Ready(&RunType) < 0 || PyType_Ready(&TickerType) < 0) return NULL;
+    if ((name_addresses = PyUnicode_InternFromString("addresses")) == NULL
+        || (name_output = PyUnicode_InternFromString("output")) == NULL
+        || (name_run = PyUnicode_InternFromString("run")) == NULL
+        || (name_adopt = PyUnicode_InternFromString("adopt")) == NULL)
+        return NULL;
+    for (int i = 0; i < FIELD_COUNT; i++)
+        if ((field_names[i] = PyUnicode_InternFromString(FIELD_NAMES[i])) == NULL) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
     if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
