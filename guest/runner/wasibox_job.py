@@ -290,10 +290,8 @@ def run_code(code, compiled, streams, load, finish, heap_top, op="run", filename
         # The most common reply, of a one-shot instance: its fixed shape needs no builtins
         # (``heap_top`` and ``streams`` must not either), and nothing runs in this instance
         # after it, so whatever the program did to the builtins can stay (restoring them
-        # was a sixth of a small run's fuel). Every other path restores them first. It is
-        # encode_reply's first form, written here (memory_error is set only with an error):
-        # the call cost ~1K fuel.
-        return f'{{"exit_code":{exit_code},"memory_error":false,"heap_top":{heap_top()}}}'
+        # was a sixth of a small run's fuel). Every other path restores them first.
+        return encode_reply(exit_code, None, None, memory_error, heap_top())
     # The program may have replaced builtins the reply's encoder relies on, and a session's
     # next call starts from the pristine ones.
     restore_builtins()
