@@ -887,10 +887,14 @@ def flush_open():
         raise failure
 
 
-def finish():
+def finish(session=False):
     """Close what the program left open, so buffered writes reach the host before it
-    decides what to publish. Raises the first error (a flush that hit the quota): a file
-    that could not be written whole must fail the run, so it is not published."""
+    decides what to publish; after a session's call (``session``), only flush it, as its
+    files stay open for its next call. Raises the first error (a flush that hit the quota):
+    a file that could not be written whole must fail the run, so it is not published."""
+    if session:
+        flush_open()
+        return
     if not _opened.data and not _fds:  # most runs open nothing: see flush_open
         return
     failure = None

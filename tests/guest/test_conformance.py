@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import stat
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -34,6 +36,29 @@ def test_argv_is_a_single_empty_string_so_argparse_works(sandbox: wasibox.Sandbo
     """))
     assert result.ok, result.error
     assert result.stdout == "[''] 3 \n"
+
+
+def test_text_and_bytes_written_to_stdout_come_out_in_native_order(
+        run_path_sandbox: wasibox.Sandbox) -> None:
+    # Text waits in sys.stdout until a flush (or 8 KiB of it); bytes written to its buffer
+    # are not held behind it, in either order, as in a native CPython writing to a pipe.
+    code = textwrap.dedent("""
+        import sys
+        print('text first')
+        sys.stdout.buffer.write(b'bytes\\n')
+        print('x' * 10000)
+        sys.stdout.write('held ')
+        sys.stdout.buffer.write(b'passes it\\n')
+        sys.stdout.flush()
+        sys.stdout.buffer.write(b'last')
+        sys.stderr.write('err no newline')
+    """)
+    # -I: PYTHONUNBUFFERED, were it set here, would make the native stdout write-through.
+    native = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
+                            check=True)
+    result = run_path_sandbox.run(code)
+    assert result.ok, result.error
+    assert (result.stdout, result.stderr) == (native.stdout.decode(), native.stderr.decode())
 
 
 def test_sys_path_starts_with_the_current_directory_as_python_c_does(tmp_path: Path) -> None:

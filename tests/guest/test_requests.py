@@ -58,3 +58,28 @@ def test_code_cpython_cannot_compile_fails_as_it_fails_there(path: str, code: st
     assert result.error is not None
     assert (result.error.type, result.error.message) == (native.type.__name__,
                                                          str(native.value))
+
+
+@pytest.mark.parametrize("path", RUN_PATHS)
+def test_a_plain_run_finds_the_streams_and_argv_every_run_gets(path: str) -> None:
+    # The flat form's runner sets none of these itself: the snapshot and the priming did.
+    code = ("import sys\n"
+            "print(sys.argv, sys.stdout.encoding, sys.stdout.errors, sys.stdout.line_buffering,"
+            " sys.stderr.line_buffering, sys.stdout is not sys.stderr)\n"
+            "sys.stderr.write('to stderr')\n"
+            "sys.argv.append('changed')")
+    with wasibox.Sandbox(backend=run_path_backend(path)) as sandbox:
+        first, second = sandbox.run(code), sandbox.run(code)
+    for result in (first, second):
+        assert result.ok, result.error
+        assert result.stdout == "[''] utf-8 backslashreplace False True True\n"
+        assert result.stderr == "to stderr"
+
+
+def test_a_session_call_gets_back_the_streams_and_argv_the_last_one_replaced() -> None:
+    with wasibox.Sandbox() as sandbox, sandbox.session() as session:
+        assert session.run("import io, sys\nsys.stdout = sys.stderr = io.StringIO()\n"
+                           "sys.argv = ['replaced']\nprint('lost')").ok
+        result = session.run("import sys\nprint(sys.argv)\nsys.stderr.write('e')")
+    assert result.ok, result.error
+    assert (result.stdout, result.stderr) == ("['']\n", "e")
