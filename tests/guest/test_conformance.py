@@ -40,10 +40,11 @@ def test_argv_is_a_single_empty_string_so_argparse_works(sandbox: wasibox.Sandbo
 
 def test_text_and_bytes_written_to_stdout_come_out_in_native_order(
         run_path_sandbox: wasibox.Sandbox) -> None:
-    # Text waits in sys.stdout until a flush (or 8 KiB of it); bytes written to its buffer
-    # are not held behind it, in either order, as in a native CPython writing to a pipe.
+    # Text waits in sys.stdout's text layer, and bytes in its buffer, until a flush (or
+    # 8 KiB): they come out in the order a native CPython writing to a pipe gives them.
     code = textwrap.dedent("""
         import sys
+        print(type(sys.stdout.buffer).__name__)
         print('text first')
         sys.stdout.buffer.write(b'bytes\\n')
         print('x' * 10000)
