@@ -165,7 +165,6 @@ class PlainRuns:
     def __init__(self, backend: WasmBackend, limits: Limits, policy: Policy,
                  packages: tuple[str, ...]) -> None:
         self._backend = backend
-        self._packages = packages
         self._runtime = backend._runtime
         native = backend._runtime.native.module
         assert native is not None  # see WasmBackend.plain_runs
