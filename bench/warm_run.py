@@ -19,8 +19,11 @@ there): the runner's work before the program (taking the request, decoding it, l
 program) and ``fuel_used`` (the program and the runner's work after it), the call's wall
 time per unit of fuel next to a hot loop's, and, for programs that make objects, the whole
 run's CPU time and minor page faults on the calling thread; last, the process's CPU per
-second while the epoch ticker ticks (the extension's C thread, and the Python one). Nothing
-is asserted; medians are printed.
+second while the epoch ticker ticks (the extension's C thread, and the Python one); and
+which of the CPU's caches the idle gap empties: the guest call of a freshly primed instance
+after nothing, after sleep or a busy loop of 2-100 ms, and after this thread writes buffers
+of 256 KiB (the per-core caches) to 64 MiB (past this machine's shared L3). Nothing is
+asserted; medians are printed.
 
     python bench/warm_run.py [--runs 300] [--gap-ms 20]
 """
@@ -39,10 +42,14 @@ from typing import Any
 from wasmtime import _ffi as ffi
 
 import wasibox
+from wasibox._limits import Limits
+from wasibox._wire import encode_request
+from wasibox.backends.base import Job, Policy
 from wasibox.backends.wasm import backend as wasm_backend
 from wasibox.backends.wasm import host
+from wasibox.backends.wasm.compiler import compile_in
 from wasibox.backends.wasm.engine import Ticker
-from wasibox.backends.wasm.run import Run
+from wasibox.backends.wasm.run import NativeRun, Run, call_guest
 from wasibox.backends.wasm.runtime import WasmRuntime
 from wasibox.backends.wasm.runtime import runtime as wasm_runtime
 
@@ -197,6 +204,56 @@ def ticker_cost(seconds: float = 3.0) -> None:
             time.sleep(0.05)
 
 
+def _spin(seconds: float) -> None:
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        pass
+
+
+def _write_lines(buffer: bytearray) -> None:
+    """Write one byte in each 64-byte line of ``buffer``."""
+    buffer[::64] = bytes(len(range(0, len(buffer), 64)))
+
+
+def gap_contents(runs: int) -> None:
+    """The guest call of a primed instance (made just before, in this thread) after each of
+    several things filling the gap, the variants taken in turn within each round."""
+    rt = WasmRuntime(pool_size=0)
+    native = rt.native.module
+    if native is None:
+        print(f"  skipped: the native run path is unavailable ({rt.native.reason})")
+        return
+    job = Job(op="run", code=CODE, limits=Limits(), policy=Policy())
+    store, execute = rt.instantiate()
+    fields = job.request()
+    fields["compiled"], _ = compile_in(rt, store, execute, job)
+    request = encode_request(fields)
+    del store, execute
+    buffers = {size: bytearray(size) for size in (256 << 10, 4 << 20, 16 << 20, 64 << 20)}
+    gaps: dict[str, Callable[[], object]] = {
+        "nothing": lambda: None,
+        "2 ms of sleep": lambda: time.sleep(0.002),
+        "2 ms of busy loop": lambda: _spin(0.002),
+        "20 ms of sleep": lambda: time.sleep(0.02),
+        "20 ms of busy loop": lambda: _spin(0.02),
+        "100 ms of sleep": lambda: time.sleep(0.1),
+        **{f"writing {size >> 10:,} KiB": functools.partial(_write_lines, buffer)
+           for size, buffer in buffers.items()},
+    }
+    timings: dict[str, list[float]] = {name: [] for name in gaps}
+    for _ in range(runs):
+        for name, gap in gaps.items():
+            store, execute = rt.instantiate()
+            run = NativeRun(job, store, native)
+            gap()
+            started = time.perf_counter()
+            call_guest(run, execute, request, arm=True)
+            timings[name].append(time.perf_counter() - started)
+            del run, store, execute
+    for name, durations in timings.items():
+        print(f"  after {name:<24} {statistics.median(durations) * 1e3:7.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -213,6 +270,8 @@ def main() -> None:
     object_programs(max(options.runs // 3, 50), gap_s)
     print("\n== the epoch ticker's own cost ==")
     ticker_cost()
+    print("\n== which caches the gap empties: the guest call after ... (medians) ==")
+    gap_contents(max(options.runs // 5, 30))
 
 
 if __name__ == "__main__":
