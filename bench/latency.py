@@ -36,7 +36,7 @@ What it measures (everything is printed; nothing is asserted):
    ``--gap-ms`` after the other, run for run, so that whatever else loads the machine meets
    both alike. Measured one after the other, the two medians met different moments of a
    shared machine, and their ratio moved 0.44-0.64x in five runs of this script; in
-   lockstep it moved 0.56-0.58x in seven runs on the same day.
+   lockstep it moved 0.55-0.59x in 21 runs on one day.
    Target: wasibox's lockstep median at most 0.5x eryx's.
 
 Run it with ``make bench`` (which runs ``python bench/latency.py``), or directly:
@@ -507,29 +507,28 @@ def bench_lockstep(python: Path, runs: int, gap_s: float) -> dict[str, Stats] | 
     child = subprocess.Popen([str(python), "-c", ERYX_LOCKSTEP_CHILD, str(WARMUP_RUNS)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
+    ours: list[float] = []
+    theirs: list[float] = []
     try:
         if child.stdout.readline() != "ready\n":
             print("  the eryx lockstep child failed to start")
             return None
-        sandbox = wasibox.Sandbox()
-        for _ in range(WARMUP_RUNS):
-            checked_run(sandbox)
-        ours: list[float] = []
-        theirs: list[float] = []
-        for _ in range(runs):
-            time.sleep(gap_s)
-            started = time.perf_counter()
-            checked_run(sandbox)
-            ours.append(time.perf_counter() - started)
-            time.sleep(gap_s)
-            child.stdin.write("run\n")
-            child.stdin.flush()
-            line = child.stdout.readline()
-            if not line:
-                print("  the eryx lockstep child ended early")
-                return None
-            theirs.append(float(line))
-        sandbox.close()
+        with wasibox.Sandbox() as sandbox:
+            for _ in range(WARMUP_RUNS):
+                checked_run(sandbox)
+            for _ in range(runs):
+                time.sleep(gap_s)
+                started = time.perf_counter()
+                checked_run(sandbox)
+                ours.append(time.perf_counter() - started)
+                time.sleep(gap_s)
+                child.stdin.write("run\n")
+                child.stdin.flush()
+                line = child.stdout.readline()
+                if not line:
+                    print("  the eryx lockstep child ended early")
+                    return None
+                theirs.append(float(line))
     finally:
         child.stdin.close()
         child.wait()

@@ -247,8 +247,11 @@ def gap_contents(runs: int) -> None:
             run = NativeRun(job, store, native)
             gap()
             started = time.perf_counter()
-            call_guest(run, execute, request, arm=True)
+            reply = call_guest(run, execute, request, arm=True)
             timings[name].append(time.perf_counter() - started)
+            run.collect()
+            if reply is None or '"error"' in reply or bytes(run.stdout) != b"2\n":
+                raise SystemExit(f"bench: the call replied {reply!r}, printed {run.stdout!r}")
             del run, store, execute
     for name, durations in timings.items():
         print(f"  after {name:<24} {statistics.median(durations) * 1e3:7.3f} ms")
