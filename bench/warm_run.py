@@ -47,7 +47,7 @@ from wasibox._wire import encode_request
 from wasibox.backends.base import Job, Policy
 from wasibox.backends.wasm import backend as wasm_backend
 from wasibox.backends.wasm import host
-from wasibox.backends.wasm.compiler import compile_in
+from wasibox.backends.wasm.compiler import Compiler
 from wasibox.backends.wasm.engine import Ticker
 from wasibox.backends.wasm.run import NativeRun, Run, call_guest
 from wasibox.backends.wasm.runtime import WasmRuntime
@@ -224,11 +224,9 @@ def gap_contents(runs: int) -> None:
         print(f"  skipped: the native run path is unavailable ({rt.native.reason})")
         return
     job = Job(op="run", code=CODE, limits=Limits(), policy=Policy())
-    store, execute = rt.instantiate()
     fields = job.request()
-    fields["compiled"], _ = compile_in(rt, store, execute, job)
+    fields["compiled"] = Compiler(rt).compile(job)  # as a Sandbox's plain runs send it
     request = encode_request(fields)
-    del store, execute
     buffers = {size: bytearray(size) for size in (256 << 10, 4 << 20, 16 << 20, 64 << 20)}
     gaps: dict[str, Callable[[], object]] = {
         "nothing": lambda: None,
